@@ -1,0 +1,320 @@
+"""BlockManager: gives each sequence the KV blocks it needs, and takes them back.
+
+It owns a GPU pool and a CPU pool (two BlockAllocators) and writes every sequence's
+``block_table``. The scheduler asks it three kinds of question:
+
+- admission: ``can_allocate(seq)`` -> OK / LATER / NEVER, then ``allocate(seq)`` for the prompt;
+- growth: ``can_append_slot(seq)``, then ``append_slot(seq)`` before each decode step;
+- release: ``free(seq)`` when a sequence finishes, is aborted or is preempted by recompute,
+  and ``swap_out`` / ``swap_in`` (through the Swapper) when it is preempted by swap.
+
+The watermark. ``watermark_blocks = int(watermark * num_gpu_blocks)`` GPU blocks are kept free
+at admission so that running sequences can still grow; without it, admitting a prompt that
+takes the last block would force a preemption at the very next decode step.
+
+    can_allocate(seq), with need = seq.num_blocks:
+        NEVER  if num_gpu_blocks - need < watermark_blocks   (cannot fit even in an empty pool)
+        OK     if num_free_gpu_blocks - need >= watermark_blocks
+        LATER  otherwise                                      (fits once others free blocks)
+
+The append rule. A sequence's blocks always cover all of its tokens, including the newest one,
+appended by the previous step and whose K/V the coming step writes. So ``append_slot`` adds a
+block exactly when the newest token does not fit in the blocks the sequence holds:
+
+    seq.num_tokens > len(seq.block_table) * block_size    (the token opens a new block)
+
+which, one token at a time, happens when ``(seq.num_tokens - 1) % block_size == 0``. Otherwise
+the token goes into the last block; if that block is shared with another sequence (after
+``fork``), it is first copied (copy-on-write) and ``append_slot`` returns ``(src, dst)``: the
+CacheEngine must copy block ``src`` into block ``dst`` before the step writes to it.
+
+Contract
+- A sequence holds blocks on at most one device; ``allocate``, ``fork`` and ``swap_in`` put them
+  on the GPU, ``swap_out`` on the CPU, ``free`` releases them and empties ``block_table``.
+- Every method that raises leaves all counts and tables as they were.
+
+Invariants
+- On each device: free blocks + blocks in use == pool size.
+- A block's ``ref_count`` equals the number of sequences whose table holds it.
+- A sequence that was freed holds nothing.
+"""
+
+from collections.abc import Callable
+from enum import Enum, auto
+
+from vkv.engine.block import BlockAllocator, Device, NoFreeBlocksError
+from vkv.engine.sequence import Sequence
+from vkv.engine.swapper import Swapper
+
+
+class AllocStatus(Enum):
+    """The answer to "can this prompt get its blocks?" (vLLM's names)."""
+
+    OK = auto()  # now
+    LATER = auto()  # not now, once running sequences free blocks
+    NEVER = auto()  # not even in an empty pool: the request must be rejected
+
+
+class BlockManager:
+    """Maps sequences to physical blocks in a GPU pool and a CPU (swap) pool.
+
+    Raises ``ValueError`` for a block size or GPU pool below 1, a negative CPU pool, or a
+    watermark outside ``[0, 1)``.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        watermark: float = 0.01,
+    ) -> None:
+        ### BEGIN SOLUTION part1.3
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks)
+        self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
+        self.swapper = Swapper(self.gpu_allocator, self.cpu_allocator, self.watermark_blocks)
+        self._device_of: dict[int, Device] = {}
+        ### END SOLUTION
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """The size of the GPU pool."""
+        ### BEGIN SOLUTION part1.3
+        return self.gpu_allocator.num_blocks
+        ### END SOLUTION
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """GPU blocks that can be allocated now."""
+        ### BEGIN SOLUTION part1.3
+        return self.gpu_allocator.num_free_blocks
+        ### END SOLUTION
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        """CPU blocks that can be allocated now."""
+        ### BEGIN SOLUTION part1.3
+        return self.cpu_allocator.num_free_blocks
+        ### END SOLUTION
+
+    @property
+    def gpu_usage(self) -> float:
+        """Fraction of the GPU pool in use, in [0, 1]."""
+        ### BEGIN SOLUTION part1.3
+        return 1.0 - self.num_free_gpu_blocks / self.num_gpu_blocks
+        ### END SOLUTION
+
+    @property
+    def cpu_usage(self) -> float:
+        """Fraction of the CPU pool in use, in [0, 1] (0 for an empty pool)."""
+        ### BEGIN SOLUTION part1.3
+        total = self.cpu_allocator.num_blocks
+        return 0.0 if total == 0 else 1.0 - self.num_free_cpu_blocks / total
+        ### END SOLUTION
+
+    def device_of(self, seq: Sequence) -> Device | None:
+        """The device that holds the sequence's blocks, or None if it holds none."""
+        ### BEGIN SOLUTION part1.3
+        return self._device_of.get(seq.seq_id)
+        ### END SOLUTION
+
+    def can_allocate(self, seq: Sequence) -> AllocStatus:
+        """Whether the prompt's blocks fit now, later or never (see the module docstring)."""
+        ### BEGIN SOLUTION part1.3
+        need = seq.num_blocks
+        if self.num_gpu_blocks - need < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.num_free_gpu_blocks - need >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+        ### END SOLUTION
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a sequence that holds no blocks ``seq.num_blocks`` new GPU blocks.
+
+        Raises ``ValueError`` if it already holds blocks and ``NoFreeBlocksError`` if the free
+        GPU blocks are too few (the watermark is ``can_allocate``'s business, not this one's).
+        """
+        ### BEGIN SOLUTION part1.3
+        self._require_device(seq, None)
+        if seq.num_blocks > self.num_free_gpu_blocks:
+            raise NoFreeBlocksError(
+                f"sequence {seq.seq_id} needs {seq.num_blocks} GPU blocks, "
+                f"{self.num_free_gpu_blocks} are free"
+            )
+        seq.block_table = [self.gpu_allocator.allocate().block_id for _ in range(seq.num_blocks)]
+        self._device_of[seq.seq_id] = Device.GPU
+        ### END SOLUTION
+
+    def can_append_slot(self, seq: Sequence) -> bool:
+        """Whether ``append_slot(seq)`` would find the block it may need (no watermark here)."""
+        ### BEGIN SOLUTION part1.3
+        self._require_device(seq, Device.GPU)
+        return self._blocks_to_append(seq) <= self.num_free_gpu_blocks
+        ### END SOLUTION
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make room for the sequence's newest token (the append rule in the module docstring).
+
+        Returns ``(src, dst)`` when the shared last block was copied on write, else None.
+        Raises ``ValueError`` if the sequence is not on the GPU or is more than one token past
+        its blocks, and ``NoFreeBlocksError`` if a block is needed and none is free.
+        """
+        ### BEGIN SOLUTION part1.3
+        self._require_device(seq, Device.GPU)
+        needed = self._blocks_to_append(seq)
+        if needed > self.num_free_gpu_blocks:
+            raise NoFreeBlocksError(f"sequence {seq.seq_id} needs a GPU block and none is free")
+        if seq.num_tokens > len(seq.block_table) * self.block_size:
+            seq.block_table.append(self.gpu_allocator.allocate().block_id)
+            return None
+        if needed == 0:
+            return None
+        last = self.gpu_allocator.blocks[seq.block_table[-1]]
+        copy = self.gpu_allocator.allocate()
+        self.gpu_allocator.free(last)
+        seq.block_table[-1] = copy.block_id
+        return last.block_id, copy.block_id
+        ### END SOLUTION
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share all of ``parent``'s GPU blocks (no copy, no new block).
+
+        Raises ``ValueError`` if the parent is not on the GPU or the child already holds blocks.
+        """
+        ### BEGIN SOLUTION part1.3
+        self._require_device(parent, Device.GPU)
+        self._require_device(child, None)
+        for block_id in parent.block_table:
+            self.gpu_allocator.share(self.gpu_allocator.blocks[block_id])
+        child.block_table = list(parent.block_table)
+        self._device_of[child.seq_id] = Device.GPU
+        ### END SOLUTION
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block the sequence holds, last block first; empty its table.
+
+        Raises ``ValueError`` if the sequence holds no blocks (never allocated, or freed twice).
+        """
+        ### BEGIN SOLUTION part1.3
+        device = self._device_of.get(seq.seq_id)
+        if device is None:
+            raise ValueError(
+                f"free: sequence {seq.seq_id} holds no blocks (never allocated, or already freed)"
+            )
+        allocator = self.gpu_allocator if device is Device.GPU else self.cpu_allocator
+        for block_id in reversed(seq.block_table):
+            allocator.free(allocator.blocks[block_id])
+        seq.block_table = []
+        del self._device_of[seq.seq_id]
+        ### END SOLUTION
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """A copy of the sequence's block table (empty if it holds no blocks)."""
+        ### BEGIN SOLUTION part1.3
+        return list(seq.block_table)
+        ### END SOLUTION
+
+    def get_slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The physical slot of each token position in ``[start, end)``.
+
+        ``slot = block_table[pos // block_size] * block_size + pos % block_size``. Raises
+        ``ValueError`` unless the sequence is on the GPU and ``0 <= start <= end <= num_tokens``.
+        """
+        ### BEGIN SOLUTION part1.3
+        self._require_device(seq, Device.GPU)
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise ValueError(
+                f"slot range [{start}, {end}) is outside sequence {seq.seq_id}'s "
+                f"{seq.num_tokens} tokens"
+            )
+        size = self.block_size
+        return [seq.block_table[pos // size] * size + pos % size for pos in range(start, end)]
+        ### END SOLUTION
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        """Whether the group's GPU blocks fit in the free CPU blocks."""
+        ### BEGIN SOLUTION part1.4
+        self._require_group_on(seqs, Device.GPU)
+        return self.swapper.can_swap_out(seqs)
+        ### END SOLUTION
+
+    def swap_out(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Move the group to the CPU pool; return ``{gpu_block_id: cpu_block_id}`` (see Swapper)."""
+        ### BEGIN SOLUTION part1.4
+        return self._swap(seqs, Device.GPU, Device.CPU, self.swapper.swap_out)
+        ### END SOLUTION
+
+    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+        """Whether the group's CPU blocks fit in the free GPU blocks, above the watermark."""
+        ### BEGIN SOLUTION part1.4
+        self._require_group_on(seqs, Device.CPU)
+        return self.swapper.can_swap_in(seqs)
+        ### END SOLUTION
+
+    def swap_in(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Move the group back to the GPU pool; return ``{cpu_block_id: gpu_block_id}``."""
+        ### BEGIN SOLUTION part1.4
+        return self._swap(seqs, Device.CPU, Device.GPU, self.swapper.swap_in)
+        ### END SOLUTION
+
+    def _swap(
+        self,
+        seqs: list[Sequence],
+        src: Device,
+        dst: Device,
+        move: Callable[[list[Sequence]], dict[int, int]],
+    ) -> dict[int, int]:
+        """Check the group is on ``src``, let the Swapper ``move`` it, record it on ``dst``."""
+        ### BEGIN SOLUTION part1.4
+        self._require_group_on(seqs, src)
+        mapping = move(seqs)
+        for seq in seqs:
+            self._device_of[seq.seq_id] = dst
+        return mapping
+        ### END SOLUTION
+
+    def _require_group_on(self, seqs: list[Sequence], device: Device) -> None:
+        """Raise ``ValueError`` unless the group is non-empty, without repeats, all on ``device``."""
+        ### BEGIN SOLUTION part1.4
+        if not seqs:
+            raise ValueError("a swap needs at least one sequence")
+        if len({seq.seq_id for seq in seqs}) != len(seqs):
+            raise ValueError("a swap group lists a sequence twice")
+        for seq in seqs:
+            self._require_device(seq, device)
+        ### END SOLUTION
+
+    def _require_device(self, seq: Sequence, device: Device | None) -> None:
+        """Raise ``ValueError`` unless the sequence's blocks are on ``device`` (None: no blocks)."""
+        ### BEGIN SOLUTION part1.3
+        actual = self._device_of.get(seq.seq_id)
+        if actual is device:
+            return
+        where = "no blocks" if actual is None else f"its blocks on the {actual.value}"
+        wanted = "no blocks" if device is None else f"its blocks on the {device.value}"
+        raise ValueError(f"sequence {seq.seq_id} has {where}; this operation needs {wanted}")
+        ### END SOLUTION
+
+    def _blocks_to_append(self, seq: Sequence) -> int:
+        """GPU blocks ``append_slot`` would allocate: 1 for a new or copied block, else 0."""
+        ### BEGIN SOLUTION part1.3
+        capacity = len(seq.block_table) * self.block_size
+        if seq.num_tokens > capacity + 1:
+            raise ValueError(
+                f"sequence {seq.seq_id} has {seq.num_tokens} tokens but blocks for {capacity}: "
+                "append_slot must follow every appended token"
+            )
+        if seq.num_tokens > capacity:
+            return 1
+        last = self.gpu_allocator.blocks[seq.block_table[-1]]
+        return 1 if last.ref_count > 1 else 0
+        ### END SOLUTION

@@ -1,0 +1,134 @@
+"""Swapper: moves the KV blocks of a group of sequences between the GPU pool and the CPU pool.
+
+When the GPU runs out of blocks, the scheduler can preempt a sequence by *swapping* it out: its
+blocks are copied to the CPU pool (host memory) and the GPU blocks freed; later it is swapped
+back in. The Swapper does the bookkeeping; it returns a mapping that tells the CacheEngine which
+block to copy where:
+
+    swap_out(seqs) -> {gpu_block_id: cpu_block_id}
+    swap_in(seqs)  -> {cpu_block_id: gpu_block_id}
+
+A group, not a single sequence, is the unit: sequences forked from one parent share blocks, and
+a shared block must move once, with all its holders. So every holder of every block in the
+group must be in the group (``ref_count`` equals the number of group tables holding the block);
+the moved block keeps that ``ref_count`` in its new pool, and each sequence's ``block_table`` is
+rewritten to the new ids, in place of the old, in the same logical order.
+
+    seq A  [3, 5]          swap_out([A, B])          seq A  [0, 1]
+    seq B  [3, 8]    ─────────────────────────▶      seq B  [0, 2]
+    GPU 3: ref 2            {3: 0, 5: 1, 8: 2}        CPU 0: ref 2 (moved once)
+
+Contract
+- All or nothing: when a swap cannot complete (too few free blocks in the destination, or the
+  group is not closed under sharing), it raises and changes nothing.
+- ``can_swap_out``: the group's distinct blocks fit in the free CPU blocks.
+- ``can_swap_in``: they fit in the free GPU blocks with ``watermark_blocks`` to spare.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vkv.engine.block import BlockAllocator, NoFreeBlocksError
+
+if TYPE_CHECKING:
+    from vkv.engine.sequence import Sequence
+
+
+class Swapper:
+    """Moves groups of sequences between ``gpu_allocator`` and ``cpu_allocator``."""
+
+    def __init__(
+        self,
+        gpu_allocator: BlockAllocator,
+        cpu_allocator: BlockAllocator,
+        watermark_blocks: int = 0,
+    ) -> None:
+        self.gpu_allocator = gpu_allocator
+        self.cpu_allocator = cpu_allocator
+        self.watermark_blocks = watermark_blocks
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        """Whether the group's distinct GPU blocks fit in the free CPU blocks."""
+        ### BEGIN SOLUTION part1.4
+        needed = len(_distinct_block_ids(seqs))
+        return needed <= self.cpu_allocator.num_free_blocks
+        ### END SOLUTION
+
+    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+        """Whether the group's distinct CPU blocks fit in the free GPU blocks, above the watermark."""
+        ### BEGIN SOLUTION part1.4
+        needed = len(_distinct_block_ids(seqs))
+        return self.gpu_allocator.num_free_blocks - needed >= self.watermark_blocks
+        ### END SOLUTION
+
+    def swap_out(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Move the group's blocks from GPU to CPU; return ``{gpu_block_id: cpu_block_id}``.
+
+        Raises ``NoFreeBlocksError`` if the CPU pool is too small, ``ValueError`` if a block is
+        also held outside the group; nothing changes then.
+        """
+        ### BEGIN SOLUTION part1.4
+        if not self.can_swap_out(seqs):
+            raise NoFreeBlocksError(
+                f"swap out needs {len(_distinct_block_ids(seqs))} CPU blocks, "
+                f"{self.cpu_allocator.num_free_blocks} are free"
+            )
+        return _move(seqs, self.gpu_allocator, self.cpu_allocator)
+        ### END SOLUTION
+
+    def swap_in(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Move the group's blocks from CPU to GPU; return ``{cpu_block_id: gpu_block_id}``.
+
+        Raises ``NoFreeBlocksError`` if ``can_swap_in`` is false, ``ValueError`` if a block is
+        also held outside the group; nothing changes then.
+        """
+        ### BEGIN SOLUTION part1.4
+        if not self.can_swap_in(seqs):
+            raise NoFreeBlocksError(
+                f"swap in needs {len(_distinct_block_ids(seqs))} GPU blocks plus a watermark of "
+                f"{self.watermark_blocks}, {self.gpu_allocator.num_free_blocks} are free"
+            )
+        return _move(seqs, self.cpu_allocator, self.gpu_allocator)
+        ### END SOLUTION
+
+
+def _distinct_block_ids(seqs: list[Sequence]) -> dict[int, int]:
+    """Each distinct block id in the group's tables, with the number of tables holding it."""
+    ### BEGIN SOLUTION part1.4
+    holders: dict[int, int] = {}
+    for seq in seqs:
+        for block_id in seq.block_table:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    return holders
+    ### END SOLUTION
+
+
+def _move(seqs: list[Sequence], src: BlockAllocator, dst: BlockAllocator) -> dict[int, int]:
+    """Copy each distinct block once from ``src`` to ``dst``, rewrite the tables, free ``src``.
+
+    The caller has checked that ``dst`` has room; this checks the group is closed under sharing
+    before changing anything.
+    """
+    ### BEGIN SOLUTION part1.4
+    holders = _distinct_block_ids(seqs)
+    for block_id, count in holders.items():
+        ref_count = src.blocks[block_id].ref_count
+        if ref_count != count:
+            raise ValueError(
+                f"{src.device.value} block {block_id} has ref_count {ref_count} but the group "
+                f"holds it {count} time(s): swap every sequence that shares it together"
+            )
+    mapping: dict[int, int] = {}
+    for src_id, count in holders.items():
+        dst_block = dst.allocate()
+        for _ in range(count - 1):
+            dst.share(dst_block)
+        mapping[src_id] = dst_block.block_id
+    for seq in seqs:
+        seq.block_table = [mapping[block_id] for block_id in seq.block_table]
+    for src_id, count in holders.items():
+        for _ in range(count):
+            src.free(src.blocks[src_id])
+    return mapping
+    ### END SOLUTION
