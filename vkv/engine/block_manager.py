@@ -283,7 +283,7 @@ class BlockManager:
         ### END SOLUTION
 
     def _require_group_on(self, seqs: list[Sequence], device: Device) -> None:
-        """Raise ``ValueError`` unless the group is non-empty, without repeats, all on ``device``."""
+        """Raise ``ValueError`` unless the group is non-empty, has no repeats, is on ``device``."""
         ### BEGIN SOLUTION part1.4
         if not seqs:
             raise ValueError("a swap needs at least one sequence")

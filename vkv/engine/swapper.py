@@ -56,7 +56,7 @@ class Swapper:
         ### END SOLUTION
 
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
-        """Whether the group's distinct CPU blocks fit in the free GPU blocks, above the watermark."""
+        """Whether the distinct CPU blocks fit in the free GPU blocks, above the watermark."""
         ### BEGIN SOLUTION part1.4
         needed = len(_distinct_block_ids(seqs))
         return self.gpu_allocator.num_free_blocks - needed >= self.watermark_blocks

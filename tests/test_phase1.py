@@ -1,0 +1,1117 @@
+"""Graded tests for Phase 1: block-based KV memory management.
+
+Each test name carries its part: ``uv run pytest tests/test_phase1.py -k part3 -v`` runs the
+tests of part 1.3 (BlockManager). Expected values are computed here from first principles
+(ceil division, a list model), never by calling other code under test.
+"""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from vkv.engine.block import Block, BlockAllocator, Device, DoubleFreeError, NoFreeBlocksError
+from vkv.engine.block_manager import AllocStatus, BlockManager
+from vkv.engine.evictor import Evictor
+from vkv.engine.sequence import Sequence, SequenceStatus
+from vkv.sampling_params import SamplingParams
+
+FAST = settings(max_examples=60, derandomize=True, deadline=None, database=None)
+STATEFUL = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+FINISHED = [s for s in SequenceStatus if s.name.startswith("FINISHED_")]
+
+
+def make_seq(seq_id: int, num_tokens: int, block_size: int) -> Sequence:
+    """A sequence whose prompt is the token ids 100, 101, ... (distinct, easy to read)."""
+    return Sequence(seq_id, list(range(100, 100 + num_tokens)), block_size)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pool_counts(bm: BlockManager) -> tuple[int, int, list[int]]:
+    """Everything a failed call must leave unchanged."""
+    return (
+        bm.num_free_gpu_blocks,
+        bm.num_free_cpu_blocks,
+        [b.ref_count for b in bm.gpu_allocator.blocks + bm.cpu_allocator.blocks],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Part 1.1: Sequence
+# --------------------------------------------------------------------------------------------
+
+
+def test_part1_new_sequence_holds_a_copy_of_the_prompt_and_waits():
+    prompt = [5, 6, 7]
+    params = SamplingParams(max_tokens=3)
+    seq = Sequence(7, prompt, block_size=4, sampling_params=params, arrival_time=2.5)
+    prompt.append(8)
+    assert seq.seq_id == 7
+    assert seq.status is SequenceStatus.WAITING, f"a new sequence is WAITING, got {seq.status}"
+    assert seq.token_ids == [5, 6, 7], (
+        f"token_ids must be a copy of the prompt, unaffected by later changes to the caller's "
+        f"list; got {seq.token_ids}"
+    )
+    assert (seq.num_prompt_tokens, seq.num_tokens, seq.num_completion_tokens) == (3, 3, 0)
+    assert seq.block_table == [], "a new sequence holds no blocks: block_table must be []"
+    assert seq.block_size == 4
+    assert seq.sampling_params is params
+    assert seq.arrival_time == 2.5
+    assert len(seq) == 3
+
+
+def test_part1_default_sampling_params():
+    seq = Sequence(0, [1], block_size=1)
+    assert seq.sampling_params == SamplingParams(), "without sampling_params, use SamplingParams()"
+
+
+def test_part1_append_token_grows_the_completion_only():
+    seq = Sequence(1, [10, 11], block_size=2)
+    for token in (12, 13, 14):
+        seq.append_token(token)
+    assert seq.token_ids == [10, 11, 12, 13, 14]
+    assert seq.num_tokens == 5
+    assert seq.num_prompt_tokens == 2, "appending generated tokens must not change the prompt"
+    assert seq.num_completion_tokens == 3
+    assert seq.prompt_token_ids == [10, 11]
+    assert seq.completion_token_ids == [12, 13, 14]
+    assert seq.last_token == 14
+
+
+def test_part1_prompt_and_completion_ids_are_copies():
+    seq = Sequence(1, [10, 11], block_size=2)
+    seq.append_token(12)
+    seq.prompt_token_ids.append(99)
+    seq.completion_token_ids.append(99)
+    assert seq.token_ids == [10, 11, 12], "prompt_token_ids / completion_token_ids return copies"
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 15, 16, 17, 33])
+def test_part1_num_blocks_and_last_block_num_tokens(block_size, num_tokens):
+    seq = make_seq(0, num_tokens, block_size)
+    expected_blocks = math.ceil(num_tokens / block_size)
+    expected_last = num_tokens - (expected_blocks - 1) * block_size
+    assert seq.num_blocks == expected_blocks, (
+        f"{num_tokens} tokens in blocks of {block_size} span {expected_blocks} logical blocks, "
+        f"num_blocks returned {seq.num_blocks}"
+    )
+    assert seq.last_block_num_tokens == expected_last, (
+        f"{num_tokens} tokens in blocks of {block_size}: the last block holds {expected_last}, "
+        f"last_block_num_tokens returned {seq.last_block_num_tokens}"
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_part1_prompt_of_exactly_k_blocks_fills_its_last_block(k):
+    seq = make_seq(0, 4 * k, block_size=4)
+    assert seq.num_blocks == k, f"a prompt of exactly {k} blocks spans {k} blocks, not more"
+    assert seq.last_block_num_tokens == 4, "the last block of an exact multiple is full"
+    seq.append_token(1)
+    assert (seq.num_blocks, seq.last_block_num_tokens) == (k + 1, 1), (
+        "one token past a full block opens a new block holding 1 token"
+    )
+
+
+def test_part1_block_size_one_puts_each_token_in_its_own_block():
+    seq = make_seq(0, 5, block_size=1)
+    assert seq.num_blocks == 5
+    assert seq.last_block_num_tokens == 1
+    assert [seq.block(i) for i in range(5)] == [[100], [101], [102], [103], [104]]
+
+
+@given(
+    tokens=st.lists(st.integers(0, 50_000), min_size=1, max_size=40),
+    block_size=st.integers(1, 9),
+    appended=st.lists(st.integers(0, 50_000), max_size=10),
+)
+@FAST
+def test_part1_blocks_concatenate_to_the_tokens(tokens, block_size, appended):
+    seq = Sequence(0, tokens, block_size)
+    for token in appended:
+        seq.append_token(token)
+    blocks = [seq.block(i) for i in range(seq.num_blocks)]
+    assert sum(blocks, []) == tokens + appended, "block(0) + ... + block(n-1) must equal token_ids"
+    assert all(len(b) == block_size for b in blocks[:-1]), "every block but the last is full"
+
+
+@pytest.mark.parametrize("index", [-1, 2, 10])
+def test_part1_block_out_of_range_raises_index_error(index):
+    seq = make_seq(0, 5, block_size=4)
+    with pytest.raises(IndexError):
+        seq.block(index)
+
+
+@pytest.mark.parametrize("block_size", [0, -1, -16])
+def test_part1_rejects_a_zero_or_negative_block_size(block_size):
+    with pytest.raises(ValueError, match="block_size"):
+        Sequence(0, [1, 2], block_size=block_size)
+
+
+def test_part1_rejects_an_empty_prompt():
+    with pytest.raises(ValueError):
+        Sequence(0, [], block_size=4)
+
+
+@pytest.mark.parametrize("status", FINISHED, ids=lambda s: s.name)
+def test_part1_appending_to_a_finished_sequence_raises_and_changes_nothing(status):
+    seq = make_seq(0, 3, block_size=4)
+    seq.status = status
+    assert seq.is_finished, f"{status.name} is a finished status"
+    with pytest.raises(ValueError):
+        seq.append_token(9)
+    assert seq.num_tokens == 3, "a rejected append must leave the tokens unchanged"
+
+
+@pytest.mark.parametrize(
+    "status",
+    [SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED],
+    ids=lambda s: s.name,
+)
+def test_part1_unfinished_statuses_take_tokens(status):
+    seq = make_seq(0, 3, block_size=4)
+    seq.status = status
+    assert not seq.is_finished
+    seq.append_token(9)
+    assert seq.num_tokens == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Part 1.2: Block and BlockAllocator
+# --------------------------------------------------------------------------------------------
+
+
+def test_part2_pool_starts_with_every_block_free():
+    pool = BlockAllocator(Device.GPU, 8)
+    assert pool.num_blocks == 8
+    assert pool.num_free_blocks == 8
+    assert [b.block_id for b in pool.blocks] == list(range(8)), "blocks[i].block_id must be i"
+    assert all(b.device is Device.GPU and b.ref_count == 0 for b in pool.blocks)
+
+
+def test_part2_allocate_hands_out_distinct_blocks_with_one_holder():
+    pool = BlockAllocator(Device.CPU, 5)
+    taken = [pool.allocate() for _ in range(5)]
+    assert len({b.block_id for b in taken}) == 5, "allocate returned the same block twice"
+    assert all(b.ref_count == 1 for b in taken), "an allocated block has ref_count 1"
+    assert all(pool.blocks[b.block_id] is b for b in taken), "allocate returns the pool's Block"
+    assert pool.num_free_blocks == 0
+
+
+def test_part2_exhausted_pool_raises_no_free_blocks_and_changes_nothing():
+    pool = BlockAllocator(Device.GPU, 2)
+    pool.allocate()
+    pool.allocate()
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()
+    assert pool.num_free_blocks == 0
+    assert [b.ref_count for b in pool.blocks] == [1, 1], "a failed allocate changes no ref count"
+
+
+def test_part2_empty_pool_is_allowed_and_has_nothing_to_give():
+    pool = BlockAllocator(Device.CPU, 0)
+    assert pool.num_free_blocks == 0
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()
+
+
+def test_part2_negative_pool_size_is_rejected():
+    with pytest.raises(ValueError):
+        BlockAllocator(Device.GPU, -1)
+
+
+def test_part2_freed_block_can_be_allocated_again():
+    pool = BlockAllocator(Device.GPU, 3)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    pool.free(b)
+    assert b.ref_count == 0
+    assert pool.num_free_blocks == 1
+    again = pool.allocate()
+    assert again is b, f"the only free block is {b.block_id}, allocate returned {again.block_id}"
+    assert again.ref_count == 1
+
+
+def test_part2_double_free_raises_and_changes_nothing():
+    pool = BlockAllocator(Device.GPU, 4)
+    block = pool.allocate()
+    pool.free(block)
+    with pytest.raises(DoubleFreeError):
+        pool.free(block)
+    assert pool.num_free_blocks == 4, "after a rejected double free, every block is still free"
+    assert block.ref_count == 0, "a ref count never goes below zero"
+    taken = {pool.allocate().block_id for _ in range(4)}
+    assert taken == {0, 1, 2, 3}, "a double free must not put a block twice on the free list"
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()
+
+
+def test_part2_freeing_a_block_of_another_pool_raises_and_changes_nothing():
+    gpu = BlockAllocator(Device.GPU, 4)
+    other_gpu = BlockAllocator(Device.GPU, 4)
+    cpu = BlockAllocator(Device.CPU, 4)
+    mine = gpu.allocate()
+    for foreign in (cpu.allocate(), other_gpu.allocate(), Block(99, Device.GPU, ref_count=1)):
+        with pytest.raises(ValueError):
+            gpu.free(foreign)
+    assert gpu.num_free_blocks == 3 and mine.ref_count == 1
+    assert cpu.num_free_blocks == 3 and other_gpu.num_free_blocks == 3
+
+
+def test_part2_shared_block_is_free_only_after_its_last_holder_frees_it():
+    pool = BlockAllocator(Device.GPU, 2)
+    block = pool.allocate()
+    pool.share(block)
+    pool.share(block)
+    assert block.ref_count == 3
+    pool.free(block)
+    pool.free(block)
+    assert (block.ref_count, pool.num_free_blocks) == (1, 1), (
+        "a block with holders left is not free"
+    )
+    pool.free(block)
+    assert (block.ref_count, pool.num_free_blocks) == (0, 2)
+
+
+def test_part2_sharing_a_free_block_is_rejected():
+    pool = BlockAllocator(Device.GPU, 2)
+    with pytest.raises(ValueError):
+        pool.share(pool.blocks[0])
+    assert pool.num_free_blocks == 2 and pool.blocks[0].ref_count == 0
+
+
+def test_part2_reuse_of_a_free_block_without_content_is_rejected():
+    pool = BlockAllocator(Device.GPU, 2)
+    with pytest.raises(ValueError):
+        pool.reuse(0)
+    with pytest.raises(ValueError):
+        pool.reuse(5)
+    assert pool.num_free_blocks == 2
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "free", "share"]), st.integers(0, 5))))
+@FAST
+def test_part2_free_plus_used_is_always_the_pool_size(ops):
+    pool = BlockAllocator(Device.GPU, 6)
+    holders = {i: 0 for i in range(6)}  # the model: how many holders each block has
+    for op, i in ops:
+        if op == "alloc":
+            if sum(h == 0 for h in holders.values()) == 0:
+                with pytest.raises(NoFreeBlocksError):
+                    pool.allocate()
+            else:
+                block = pool.allocate()
+                assert holders[block.block_id] == 0, f"allocate gave block {block.block_id}, in use"
+                holders[block.block_id] = 1
+        elif op == "free" and holders[i] > 0:
+            pool.free(pool.blocks[i])
+            holders[i] -= 1
+        elif op == "share" and holders[i] > 0:
+            pool.share(pool.blocks[i])
+            holders[i] += 1
+        used = sum(h > 0 for h in holders.values())
+        assert pool.num_free_blocks + used == 6, (
+            f"free ({pool.num_free_blocks}) + used ({used}) must equal the pool size 6"
+        )
+        assert [b.ref_count for b in pool.blocks] == [holders[i] for i in range(6)]
+
+
+# --------------------------------------------------------------------------------------------
+# Part 1.3: BlockManager
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"block_size": 0, "num_gpu_blocks": 4},
+        {"block_size": -4, "num_gpu_blocks": 4},
+        {"block_size": 4, "num_gpu_blocks": 0},
+        {"block_size": 4, "num_gpu_blocks": 4, "num_cpu_blocks": -1},
+        {"block_size": 4, "num_gpu_blocks": 4, "watermark": 1.0},
+        {"block_size": 4, "num_gpu_blocks": 4, "watermark": -0.1},
+    ],
+)
+def test_part3_rejects_bad_configuration(kwargs):
+    with pytest.raises(ValueError):
+        BlockManager(**kwargs)
+
+
+def test_part3_default_watermark_is_one_percent_of_the_gpu_pool():
+    assert BlockManager(16, 1000).watermark_blocks == 10
+    assert BlockManager(16, 99).watermark_blocks == 0, "int(0.01 * 99) == 0"
+
+
+def test_part3_allocate_gives_one_block_per_logical_block():
+    bm = BlockManager(block_size=4, num_gpu_blocks=10, watermark=0.0)
+    seq = make_seq(1, 9, 4)
+    assert bm.can_allocate(seq) is AllocStatus.OK
+    bm.allocate(seq)
+    assert len(seq.block_table) == 3, f"9 tokens in blocks of 4 need 3 blocks: {seq.block_table}"
+    assert len(set(seq.block_table)) == 3, "a block table never holds a block twice"
+    assert bm.num_free_gpu_blocks == 7
+    assert bm.get_block_table(seq) == seq.block_table
+    assert all(bm.gpu_allocator.blocks[b].ref_count == 1 for b in seq.block_table)
+    assert bm.device_of(seq) is Device.GPU
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_part3_prompt_of_exactly_k_blocks_takes_k_blocks(k):
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 4 * k, 4)
+    bm.allocate(seq)
+    assert len(seq.block_table) == k, f"{4 * k} tokens fill exactly {k} blocks of 4, no more"
+
+
+def test_part3_block_size_one_takes_a_block_per_token():
+    bm = BlockManager(block_size=1, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 3, 1)
+    bm.allocate(seq)
+    assert len(seq.block_table) == 3
+    for n in range(4, 9):
+        seq.append_token(n)
+        bm.append_slot(seq)
+        assert len(seq.block_table) == n, "with block size 1 every token needs a new block"
+    assert bm.num_free_gpu_blocks == 0
+
+
+def test_part3_prompt_longer_than_the_whole_pool_is_never_allocatable():
+    bm = BlockManager(block_size=4, num_gpu_blocks=4, watermark=0.0)
+    seq = make_seq(1, 17, 4)  # 5 blocks > 4
+    assert bm.can_allocate(seq) is AllocStatus.NEVER, (
+        "a prompt needing 5 blocks can never fit a pool of 4: expected NEVER"
+    )
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(seq)
+    assert bm.num_free_gpu_blocks == 4 and seq.block_table == []
+
+
+@pytest.mark.parametrize(
+    ("free_blocks", "need", "expected"),
+    [
+        # pool of 100 blocks, watermark 10 %: 10 blocks must stay free after admission
+        (100, 90, AllocStatus.OK),  # 100 - 90 = 10 >= 10
+        (100, 91, AllocStatus.NEVER),  # 100 - 91 = 9 < 10 even in an empty pool
+        (50, 40, AllocStatus.OK),  # 50 - 40 = 10: exactly at the watermark
+        (50, 41, AllocStatus.LATER),  # 50 - 41 = 9: fits the pool, not now
+        (10, 1, AllocStatus.LATER),  # any admission would dip below the watermark
+    ],
+)
+def test_part3_can_allocate_watermark_boundary(free_blocks, need, expected):
+    bm = BlockManager(block_size=1, num_gpu_blocks=100, watermark=0.1)
+    assert bm.watermark_blocks == 10
+    if free_blocks < 100:
+        bm.allocate(make_seq(0, 100 - free_blocks, 1))
+    status = bm.can_allocate(make_seq(1, need, 1))
+    assert status is expected, (
+        f"pool 100, watermark 10, {free_blocks} free, need {need}: expected {expected.name}, "
+        f"got {status.name}"
+    )
+
+
+def test_part3_allocating_a_sequence_twice_raises_and_changes_nothing():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 5, 4)
+    bm.allocate(seq)
+    table, counts = list(seq.block_table), pool_counts(bm)
+    with pytest.raises(ValueError):
+        bm.allocate(seq)
+    assert seq.block_table == table and pool_counts(bm) == counts
+
+
+def test_part3_allocate_without_room_raises_and_changes_nothing():
+    bm = BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0)
+    bm.allocate(make_seq(1, 8, 4))
+    seq, counts = make_seq(2, 8, 4), pool_counts(bm)
+    assert bm.can_allocate(seq) is AllocStatus.LATER
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(seq)
+    assert pool_counts(bm) == counts and seq.block_table == [], (
+        "allocate is all or nothing: no block may be taken when the sequence does not fit"
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 16])
+def test_part3_append_slot_adds_a_block_exactly_when_the_new_token_opens_one(block_size):
+    bm = BlockManager(block_size=block_size, num_gpu_blocks=64, watermark=0.0)
+    seq = make_seq(1, 3, block_size)
+    bm.allocate(seq)
+    for _ in range(40):
+        seq.append_token(7)
+        before = len(seq.block_table)
+        opens_block = (seq.num_tokens - 1) % block_size == 0
+        assert bm.append_slot(seq) is None, "append_slot on an unshared block copies nothing"
+        grew = len(seq.block_table) - before
+        assert grew == int(opens_block), (
+            f"block size {block_size}, token #{seq.num_tokens} (position {seq.num_tokens - 1}): "
+            f"expected {int(opens_block)} new block(s), got {grew}"
+        )
+        assert len(seq.block_table) == ceil_div(seq.num_tokens, block_size)
+
+
+def test_part3_can_append_slot_needs_a_free_block_only_for_a_new_block():
+    bm = BlockManager(block_size=4, num_gpu_blocks=2, watermark=0.0)
+    seq = make_seq(1, 7, 4)
+    bm.allocate(seq)  # both blocks taken, 1 slot left in the last one
+    assert bm.num_free_gpu_blocks == 0
+    seq.append_token(1)  # token #8 fits in the last block
+    assert bm.can_append_slot(seq), "token 8 of blocks of 4 fits in the last block"
+    bm.append_slot(seq)
+    seq.append_token(1)  # token #9 opens a third block
+    assert not bm.can_append_slot(seq), "token 9 needs a new block and none is free"
+    counts = pool_counts(bm)
+    with pytest.raises(NoFreeBlocksError):
+        bm.append_slot(seq)
+    assert pool_counts(bm) == counts and len(seq.block_table) == 2
+
+
+def test_part3_can_append_slot_ignores_the_watermark():
+    bm = BlockManager(block_size=1, num_gpu_blocks=100, watermark=0.05)
+    seq = make_seq(1, 99, 1)
+    bm.allocate(seq)
+    seq.append_token(1)
+    assert bm.can_append_slot(seq), "running sequences may use the watermark's blocks"
+
+
+def test_part3_append_slot_rejects_a_sequence_more_than_one_token_past_its_blocks():
+    bm = BlockManager(block_size=2, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 2, 2)
+    bm.allocate(seq)
+    seq.append_token(1)
+    seq.append_token(2)
+    counts = pool_counts(bm)
+    with pytest.raises(ValueError):
+        bm.append_slot(seq)
+    assert pool_counts(bm) == counts
+
+
+def test_part3_append_slot_requires_the_sequence_on_the_gpu():
+    bm = BlockManager(block_size=2, num_gpu_blocks=8, watermark=0.0)
+    with pytest.raises(ValueError):
+        bm.append_slot(make_seq(1, 2, 2))
+
+
+def test_part3_fork_shares_every_block_without_allocating():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table
+    assert child.block_table is not parent.block_table, "the child needs its own list"
+    assert bm.num_free_gpu_blocks == 6, "fork allocates nothing"
+    assert [bm.gpu_allocator.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+
+
+def test_part3_append_into_a_shared_last_block_copies_on_write():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    shared_first, shared_last = parent.block_table
+    parent.append_token(1)  # token #7 goes into the shared, partly full last block
+    copy = bm.append_slot(parent)
+    assert copy is not None, "writing into a block another sequence holds needs a copy"
+    src, dst = copy
+    assert src == shared_last and dst not in (shared_first, shared_last)
+    assert parent.block_table == [shared_first, dst], "the writer moves to the copy"
+    assert child.block_table == [shared_first, shared_last], "the other holder keeps the original"
+    refs = {b: bm.gpu_allocator.blocks[b].ref_count for b in (shared_first, shared_last, dst)}
+    assert refs == {shared_first: 2, shared_last: 1, dst: 1}, f"ref counts after copy: {refs}"
+    child.append_token(1)
+    assert bm.append_slot(child) is None, "the child is the last holder now: no copy"
+
+
+def test_part3_free_returns_every_block_and_empties_the_table():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    a, b = make_seq(1, 9, 4), make_seq(2, 4, 4)
+    bm.allocate(a)
+    bm.allocate(b)
+    bm.free(a)
+    assert a.block_table == [] and bm.device_of(a) is None
+    assert bm.num_free_gpu_blocks == 7, "free(a) must return all 3 of a's blocks"
+    bm.free(b)
+    assert bm.num_free_gpu_blocks == 8
+    assert all(block.ref_count == 0 for block in bm.gpu_allocator.blocks), (
+        "after freeing every sequence, every block has ref_count 0"
+    )
+
+
+def test_part3_freeing_a_forked_parent_keeps_the_childs_blocks():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 8, 4), make_seq(2, 8, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    bm.free(parent)
+    assert bm.num_free_gpu_blocks == 6, "the child still holds both blocks"
+    assert all(bm.gpu_allocator.blocks[b].ref_count == 1 for b in child.block_table)
+
+
+def test_part3_double_free_of_a_sequence_raises_and_changes_nothing():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    seq, other = make_seq(1, 9, 4), make_seq(2, 5, 4)
+    bm.allocate(seq)
+    bm.allocate(other)
+    bm.free(seq)
+    counts = pool_counts(bm)
+    with pytest.raises(ValueError):
+        bm.free(seq)
+    assert pool_counts(bm) == counts, "a rejected free changes no count"
+
+
+def test_part3_freeing_an_unknown_sequence_raises():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    counts = pool_counts(bm)
+    with pytest.raises(ValueError):
+        bm.free(make_seq(5, 3, 4))
+    assert pool_counts(bm) == counts
+
+
+def test_part3_slot_mapping_follows_the_block_table():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    filler = make_seq(0, 4, 4)
+    bm.allocate(filler)  # take a block so the sequence's blocks are not 0, 1, 2
+    seq = make_seq(1, 10, 4)
+    bm.allocate(seq)
+    table = seq.block_table
+    expected = [table[pos // 4] * 4 + pos % 4 for pos in range(10)]
+    assert bm.get_slot_mapping(seq, 0, 10) == expected, (
+        f"slot of position p is block_table[p // 4] * 4 + p % 4 with table {table}"
+    )
+    assert bm.get_slot_mapping(seq, 9, 10) == expected[9:], "a decode step maps only its token"
+    assert bm.get_slot_mapping(seq, 3, 3) == []
+
+
+@pytest.mark.parametrize(("start", "end"), [(-1, 2), (3, 2), (0, 11)])
+def test_part3_slot_mapping_rejects_a_range_outside_the_tokens(start, end):
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 10, 4)
+    bm.allocate(seq)
+    with pytest.raises(ValueError):
+        bm.get_slot_mapping(seq, start, end)
+
+
+def test_part3_usage_is_the_fraction_of_blocks_in_use():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=4, watermark=0.0)
+    assert bm.gpu_usage == 0.0 and bm.cpu_usage == 0.0
+    bm.allocate(make_seq(1, 8, 4))
+    assert bm.gpu_usage == pytest.approx(2 / 8)
+    assert bm.num_gpu_blocks == 8
+
+
+def test_part3_get_block_table_is_a_copy():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 5, 4)
+    bm.allocate(seq)
+    bm.get_block_table(seq).append(99)
+    assert len(seq.block_table) == 2, "get_block_table returns a copy"
+
+
+# --------------------------------------------------------------------------------------------
+# Part 1.4: Swapper (through the BlockManager's swap methods)
+# --------------------------------------------------------------------------------------------
+
+
+def test_part4_swap_out_moves_the_blocks_to_the_cpu_pool():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 10, 4)
+    bm.allocate(seq)
+    gpu_table = list(seq.block_table)
+    assert bm.can_swap_out([seq])
+    mapping = bm.swap_out([seq])
+    assert sorted(mapping) == sorted(gpu_table), "the map's keys are the GPU blocks moved"
+    assert seq.block_table == [mapping[b] for b in gpu_table], (
+        "the table now lists the CPU copies, in the same logical order"
+    )
+    assert bm.device_of(seq) is Device.CPU
+    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (8, 5)
+    assert all(bm.cpu_allocator.blocks[b].ref_count == 1 for b in seq.block_table)
+
+
+def test_part4_swap_in_brings_the_blocks_back_in_order():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 10, 4)
+    bm.allocate(seq)
+    out = bm.swap_out([seq])
+    cpu_table = list(seq.block_table)
+    assert bm.can_swap_in([seq])
+    back = bm.swap_in([seq])
+    assert sorted(back) == sorted(cpu_table)
+    assert seq.block_table == [back[out_block] for out_block in cpu_table]
+    assert bm.device_of(seq) is Device.GPU
+    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (5, 8)
+    assert bm.get_slot_mapping(seq, 0, 1) == [seq.block_table[0] * 4]
+
+
+def test_part4_swapping_a_group_that_shares_blocks_moves_each_block_once():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    child.append_token(1)
+    bm.append_slot(child)  # copy on write: the group shares block 0 only
+    shared = parent.block_table[0]
+    mapping = bm.swap_out([parent, child])
+    assert len(mapping) == 3, f"3 distinct blocks move (one shared), mapping was {mapping}"
+    assert parent.block_table[0] == child.block_table[0] == mapping[shared]
+    cpu_shared = bm.cpu_allocator.blocks[mapping[shared]]
+    assert cpu_shared.ref_count == 2, "a shared block keeps its ref count when it moves"
+    assert bm.num_free_cpu_blocks == 5 and bm.num_free_gpu_blocks == 8
+    back = bm.swap_in([parent, child])
+    assert len(back) == 3 and parent.block_table[0] == child.block_table[0]
+    assert bm.gpu_allocator.blocks[parent.block_table[0]].ref_count == 2
+    assert bm.num_free_gpu_blocks == 5 and bm.num_free_cpu_blocks == 8
+
+
+def test_part4_swapping_part_of_a_sharing_group_is_rejected():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    counts, table = pool_counts(bm), list(parent.block_table)
+    with pytest.raises(ValueError):
+        bm.swap_out([parent])  # the child still holds the blocks on the GPU
+    assert pool_counts(bm) == counts and parent.block_table == table
+    assert bm.device_of(parent) is Device.GPU
+
+
+def test_part4_swap_out_without_cpu_room_is_all_or_nothing():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=2, watermark=0.0)
+    seq = make_seq(1, 10, 4)  # 3 blocks > 2 CPU blocks
+    bm.allocate(seq)
+    counts, table = pool_counts(bm), list(seq.block_table)
+    assert not bm.can_swap_out([seq])
+    with pytest.raises(NoFreeBlocksError):
+        bm.swap_out([seq])
+    assert pool_counts(bm) == counts, "a swap that cannot complete must take no CPU block"
+    assert seq.block_table == table and bm.device_of(seq) is Device.GPU
+
+
+def test_part4_swap_in_respects_the_watermark_and_is_all_or_nothing():
+    bm = BlockManager(block_size=1, num_gpu_blocks=100, num_cpu_blocks=50, watermark=0.1)
+    seq = make_seq(1, 40, 1)
+    bm.allocate(seq)
+    bm.swap_out([seq])
+    bm.allocate(make_seq(2, 51, 1))  # 49 GPU blocks free: 49 - 40 = 9 < watermark 10
+    assert not bm.can_swap_in([seq]), "swap-in must keep the watermark's blocks free"
+    counts = pool_counts(bm)
+    with pytest.raises(NoFreeBlocksError):
+        bm.swap_in([seq])
+    assert pool_counts(bm) == counts and bm.device_of(seq) is Device.CPU
+
+
+def test_part4_swap_requires_the_group_on_the_source_device():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 5, 4)
+    with pytest.raises(ValueError):
+        bm.swap_out([seq])  # holds nothing
+    bm.allocate(seq)
+    with pytest.raises(ValueError):
+        bm.swap_in([seq])  # it is on the GPU
+    with pytest.raises(ValueError):
+        bm.swap_out([seq, seq])  # listed twice
+    assert bm.device_of(seq) is Device.GPU and bm.num_free_cpu_blocks == 8
+
+
+def test_part4_freeing_a_swapped_sequence_releases_its_cpu_blocks():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 10, 4)
+    bm.allocate(seq)
+    bm.swap_out([seq])
+    bm.free(seq)
+    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (8, 8)
+    assert seq.block_table == [] and bm.device_of(seq) is None
+
+
+# --------------------------------------------------------------------------------------------
+# Parts 1.3 and 1.4: the invariants under random operations (Hypothesis stateful testing)
+# --------------------------------------------------------------------------------------------
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Drives a BlockManager with random sequences and checks the invariants after every step.
+
+    Beside the manager it keeps a fake KV cache: each slot holds the token whose K/V would be
+    there. Every write goes through the slot mapping, every copy through the maps the manager
+    returns, so a lost, shared-by-mistake or mis-mapped block shows up as a wrong token.
+    """
+
+    SWAPS = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next_id = 0
+        self.live: dict[int, Sequence] = {}
+        self.freed: list[Sequence] = []
+
+    @initialize(
+        block_size=st.integers(1, 4),
+        num_gpu_blocks=st.integers(1, 12),
+        num_cpu_blocks=st.integers(0, 10),
+        watermark=st.sampled_from([0.0, 0.1, 0.3]),
+    )
+    def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, watermark):
+        self.bs = block_size
+        self.bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark)
+        self.cache = {
+            Device.GPU: [[None] * block_size for _ in range(num_gpu_blocks)],
+            Device.CPU: [[None] * block_size for _ in range(num_cpu_blocks)],
+        }
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def on(self, device):
+        return sorted(
+            (s for s in self.live.values() if self.bm.device_of(s) is device),
+            key=lambda s: s.seq_id,
+        )
+
+    def write(self, seq, start, end):
+        for pos, slot in zip(
+            range(start, end), self.bm.get_slot_mapping(seq, start, end), strict=True
+        ):
+            self.cache[Device.GPU][slot // self.bs][slot % self.bs] = seq.token_ids[pos]
+
+    def copy(self, src_device, dst_device, mapping):
+        for src, dst in mapping.items():
+            self.cache[dst_device][dst] = list(self.cache[src_device][src])
+
+    def group_of(self, seq, device):
+        """The sequences on ``device`` that share blocks with ``seq``, directly or not."""
+        group, frontier = {seq.seq_id: seq}, [seq]
+        while frontier:
+            blocks = set(frontier.pop().block_table)
+            for other in self.on(device):
+                if other.seq_id not in group and blocks & set(other.block_table):
+                    group[other.seq_id] = other
+                    frontier.append(other)
+        return list(group.values())
+
+    # -- rules ---------------------------------------------------------------------------------
+
+    @rule(num_tokens=st.integers(1, 20))
+    def add(self, num_tokens):
+        seq = Sequence(self.next_id, [1000 * self.next_id + i for i in range(num_tokens)], self.bs)
+        self.next_id += 1
+        need, total = ceil_div(num_tokens, self.bs), self.bm.num_gpu_blocks
+        free, mark = self.bm.num_free_gpu_blocks, self.bm.watermark_blocks
+        expected = (
+            AllocStatus.NEVER
+            if total - need < mark
+            else AllocStatus.OK
+            if free - need >= mark
+            else AllocStatus.LATER
+        )
+        status = self.bm.can_allocate(seq)
+        assert status is expected, f"need {need}, free {free}, pool {total}, watermark {mark}"
+        if status is AllocStatus.OK:
+            self.bm.allocate(seq)
+            self.live[seq.seq_id] = seq
+            self.write(seq, 0, seq.num_tokens)
+
+    @rule(data=st.data())
+    def append(self, data):
+        running = self.on(Device.GPU)
+        if not running:
+            return
+        seq = data.draw(st.sampled_from(running))
+        seq.append_token(1000 * seq.seq_id + seq.num_tokens)
+        if not self.bm.can_append_slot(seq):
+            counts = pool_counts(self.bm)
+            with pytest.raises(NoFreeBlocksError):
+                self.bm.append_slot(seq)
+            assert pool_counts(self.bm) == counts
+            self.release(seq)  # what the scheduler does: preempt it
+            return
+        copy = self.bm.append_slot(seq)
+        if copy is not None:
+            self.copy(Device.GPU, Device.GPU, {copy[0]: copy[1]})
+        self.write(seq, seq.num_tokens - 1, seq.num_tokens)
+
+    @rule(data=st.data())
+    def fork(self, data):
+        running = self.on(Device.GPU)
+        if not running:
+            return
+        parent = data.draw(st.sampled_from(running))
+        child = Sequence(self.next_id, parent.token_ids, self.bs)
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        self.live[child.seq_id] = child
+
+    @rule(data=st.data())
+    def free(self, data):
+        if self.live:
+            self.release(
+                data.draw(st.sampled_from(sorted(self.live.values(), key=lambda s: s.seq_id)))
+            )
+
+    @rule(data=st.data())
+    def free_twice(self, data):
+        if not self.freed:
+            return
+        seq = data.draw(st.sampled_from(self.freed))
+        counts = pool_counts(self.bm)
+        with pytest.raises(ValueError):
+            self.bm.free(seq)
+        assert pool_counts(self.bm) == counts
+
+    @precondition(lambda self: self.SWAPS)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        self.swap(data, Device.GPU, Device.CPU)
+
+    @precondition(lambda self: self.SWAPS)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        self.swap(data, Device.CPU, Device.GPU)
+
+    def swap(self, data, src, dst):
+        candidates = self.on(src)
+        if not candidates:
+            return
+        group = self.group_of(data.draw(st.sampled_from(candidates)), src)
+        can = self.bm.can_swap_out(group) if src is Device.GPU else self.bm.can_swap_in(group)
+        move = self.bm.swap_out if src is Device.GPU else self.bm.swap_in
+        if not can:
+            counts = pool_counts(self.bm)
+            with pytest.raises(NoFreeBlocksError):
+                move(group)
+            assert pool_counts(self.bm) == counts
+            return
+        mapping = move(group)
+        distinct = {b for s in group for b in s.block_table}
+        assert len(mapping) == len(distinct), "each distinct block moves exactly once"
+        self.copy(src, dst, mapping)
+
+    def release(self, seq):
+        self.bm.free(seq)
+        del self.live[seq.seq_id]
+        self.freed.append(seq)
+
+    # -- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def accounting_holds_on_each_device(self):
+        if not hasattr(self, "bm"):
+            return
+        for device, allocator in (
+            (Device.GPU, self.bm.gpu_allocator),
+            (Device.CPU, self.bm.cpu_allocator),
+        ):
+            holders = [0] * allocator.num_blocks
+            for seq in self.on(device):
+                assert len(set(seq.block_table)) == len(seq.block_table), (
+                    f"sequence {seq.seq_id} holds a block twice: {seq.block_table}"
+                )
+                for block_id in seq.block_table:
+                    holders[block_id] += 1
+            refs = [b.ref_count for b in allocator.blocks]
+            assert refs == holders, (
+                f"{device.value}: ref counts {refs} must equal the number of tables holding "
+                f"each block {holders}"
+            )
+            used = sum(h > 0 for h in holders)
+            assert allocator.num_free_blocks + used == allocator.num_blocks, (
+                f"{device.value}: free {allocator.num_free_blocks} + used {used} "
+                f"!= total {allocator.num_blocks}"
+            )
+
+    @invariant()
+    def every_live_sequence_reads_back_its_tokens(self):
+        if not hasattr(self, "bm"):
+            return
+        for seq in self.live.values():
+            device = self.bm.device_of(seq)
+            assert len(seq.block_table) == ceil_div(seq.num_tokens, self.bs)
+            blocks = [self.cache[device][b] for b in seq.block_table]
+            stored = [token for block in blocks for token in block][: seq.num_tokens]
+            assert stored == seq.token_ids, (
+                f"sequence {seq.seq_id} on the {device.value}: its blocks hold {stored}, "
+                f"expected {seq.token_ids} (a block was lost, mis-copied or wrongly shared)"
+            )
+
+    @invariant()
+    def freed_sequences_hold_nothing(self):
+        for seq in self.freed:
+            assert seq.block_table == [] and self.bm.device_of(seq) is None, (
+                f"freed sequence {seq.seq_id} still holds {seq.block_table}"
+            )
+
+
+class SwappingMachine(BlockManagerMachine):
+    SWAPS = True
+
+
+def test_part3_invariants_hold_under_random_allocate_append_fork_free():
+    run_state_machine_as_test(BlockManagerMachine, settings=STATEFUL)
+
+
+def test_part4_invariants_hold_under_random_operations_with_swaps():
+    run_state_machine_as_test(SwappingMachine, settings=STATEFUL)
+
+
+# --------------------------------------------------------------------------------------------
+# Part 1.5: Evictor
+# --------------------------------------------------------------------------------------------
+
+
+def cached(block_id: int, last_accessed: float, num_hashed_tokens: int = 16) -> Block:
+    return Block(block_id, Device.GPU, 0, 1000 + block_id, num_hashed_tokens, last_accessed)
+
+
+def test_part5_evicts_the_least_recently_used_block_first():
+    evictor = Evictor()
+    for block in (cached(0, 3.0), cached(1, 1.0), cached(2, 2.0)):
+        evictor.add(block)
+    order = [evictor.evict().block_id for _ in range(3)]
+    assert order == [1, 2, 0], f"oldest access first: expected [1, 2, 0], got {order}"
+    assert len(evictor) == 0
+
+
+def test_part5_ties_go_to_the_block_with_more_hashed_tokens():
+    evictor = Evictor()
+    evictor.add(cached(0, 1.0, num_hashed_tokens=16))
+    evictor.add(cached(1, 1.0, num_hashed_tokens=48))
+    evictor.add(cached(2, 1.0, num_hashed_tokens=32))
+    order = [evictor.evict().block_id for _ in range(3)]
+    assert order == [1, 2, 0], (
+        f"equally old blocks: the deepest (most hashed tokens) goes first; got {order}"
+    )
+
+
+def test_part5_update_moves_a_block_back_in_the_order():
+    evictor = Evictor()
+    evictor.add(cached(0, 1.0))
+    evictor.add(cached(1, 2.0))
+    evictor.update(0, 5.0)
+    assert evictor.evict().block_id == 1, "block 0 was accessed at t=5, after block 1"
+    assert evictor.evict().block_id == 0
+
+
+def test_part5_removed_block_is_no_longer_evictable():
+    evictor = Evictor()
+    evictor.add(cached(0, 1.0))
+    evictor.add(cached(1, 2.0))
+    removed = evictor.remove(0)
+    assert removed.block_id == 0 and 0 not in evictor and len(evictor) == 1
+    assert evictor.evict().block_id == 1, "a removed block must never be evicted"
+    with pytest.raises(ValueError):
+        evictor.evict()
+
+
+def test_part5_rejects_blocks_that_cannot_be_cached():
+    evictor = Evictor()
+    in_use = cached(0, 1.0)
+    in_use.ref_count = 1
+    no_hash = Block(1, Device.GPU)
+    with pytest.raises(ValueError):
+        evictor.add(in_use)
+    with pytest.raises(ValueError):
+        evictor.add(no_hash)
+    block = cached(2, 1.0)
+    evictor.add(block)
+    with pytest.raises(ValueError):
+        evictor.add(block)
+    assert len(evictor) == 1
+
+
+def test_part5_unknown_block_ids_are_rejected():
+    evictor = Evictor()
+    evictor.add(cached(0, 1.0))
+    with pytest.raises(ValueError):
+        evictor.remove(7)
+    with pytest.raises(ValueError):
+        evictor.update(7, 2.0)
+    assert len(evictor) == 1 and evictor.evict().block_id == 0
+
+
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "remove", "update", "evict"]),
+            st.integers(0, 7),
+            st.integers(0, 5),
+            st.integers(1, 4),
+        ),
+        max_size=80,
+    )
+)
+@FAST
+def test_part5_matches_a_sorted_list_model(ops):
+    evictor = Evictor()
+    model: dict[int, tuple[float, int]] = {}  # block id -> (last_accessed, num_hashed_tokens)
+    blocks: dict[int, Block] = {}
+    for op, block_id, time, depth in ops:
+        if op == "add" and block_id not in model:
+            blocks[block_id] = cached(block_id, float(time), 16 * depth)
+            evictor.add(blocks[block_id])
+            model[block_id] = (float(time), 16 * depth)
+        elif op == "remove" and block_id in model:
+            evictor.remove(block_id)
+            del model[block_id]
+        elif op == "update" and block_id in model:
+            evictor.update(block_id, float(time))
+            model[block_id] = (float(time), model[block_id][1])
+        elif op == "evict" and model:
+            expected = min(model, key=lambda b: (model[b][0], -model[b][1], b))
+            got = evictor.evict().block_id
+            assert got == expected, f"model state {model}: expected to evict {expected}, got {got}"
+            del model[expected]
+        assert len(evictor) == len(model)
+
+
+def test_part5_freed_block_with_a_hash_goes_to_the_evictor():
+    pool = BlockAllocator(Device.GPU, 4)
+    block = pool.allocate()
+    block.content_hash, block.num_hashed_tokens = 1234, 16
+    pool.free(block)
+    assert block.block_id in pool.evictor, "a freed block with content is cached, not discarded"
+    assert pool.num_free_blocks == 4, "a cached free block still counts as free"
+
+
+def test_part5_allocator_draws_from_truly_free_blocks_before_evicting():
+    pool = BlockAllocator(Device.GPU, 3)
+    blocks = [pool.allocate() for _ in range(3)]
+    for when, block in zip((2.0, 1.0), blocks[:2], strict=True):
+        block.content_hash, block.num_hashed_tokens, block.last_accessed = 77 + when, 16, when
+        pool.free(block)
+    pool.free(blocks[2])  # no hash: truly free
+    first = pool.allocate()
+    assert first is blocks[2], "the free list comes before evicting cached content"
+    second = pool.allocate()
+    assert second is blocks[1], "then the least recently used cached block is evicted"
+    assert second.content_hash is None and second.num_hashed_tokens == 0, (
+        "an evicted block's content record is cleared"
+    )
+    assert pool.allocate() is blocks[0]
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()
+
+
+def test_part5_reuse_takes_a_cached_block_back_with_its_content():
+    pool = BlockAllocator(Device.GPU, 2)
+    block = pool.allocate()
+    block.content_hash, block.num_hashed_tokens = 99, 16
+    pool.free(block)
+    again = pool.reuse(block.block_id)
+    assert again is block and block.ref_count == 1 and block.content_hash == 99
+    assert block.block_id not in pool.evictor and pool.num_free_blocks == 1
+    assert pool.reuse(block.block_id).ref_count == 2, "reusing a block in use adds a holder"

@@ -1,0 +1,1 @@
+"""Instructor tooling: solution regions, the student edition, the soundness check, grading."""

@@ -1,0 +1,221 @@
+"""``vkv assignment check``: prove that the assignment is sound, all parts at once.
+
+It builds the student edition in a temporary folder and verifies:
+
+1. the edition holds no reference code: every region is a stub, no region body appears in any
+   of its files, and its git history is a single commit;
+2. the edition imports (every module of ``vkv``);
+3. the public signatures of the edition equal the reference's;
+4. every graded test belongs to a part of ``parts.toml``, and every part has tests;
+5. every graded test passes on the reference;
+6. every graded test fails on the edition, with a NotImplementedError;
+7. for each part, stubbing that part alone fails all of its tests, and every test of a part
+   that does not depend on it still passes.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from vkv.assignment.parts import Assignment
+from vkv.assignment.regions import find_regions
+from vkv.assignment.release import copy_tree, release, source_files, stub_tree
+from vkv.assignment.testrun import TestResult, run_tests
+
+
+@dataclass(slots=True, frozen=True)
+class Finding:
+    check: str
+    ok: bool
+    detail: str
+
+
+def check(root: Path, console: Console) -> list[Finding]:
+    """Run every check on the reference tree ``root``; print and return the findings."""
+    assignment = Assignment.load(root)
+    findings: list[Finding] = []
+    with tempfile.TemporaryDirectory(prefix="vkv-check-") as scratch:
+        edition, reference = Path(scratch) / "edition", Path(scratch) / "reference"
+        files = release(root, edition)
+        copy_tree(root, reference, files)
+        findings += _no_reference_code(root, edition, assignment)
+        findings.append(_imports(edition))
+        findings.append(_same_signatures(reference, edition))
+
+        console.print("running the graded tests on the reference")
+        on_reference = run_tests(reference, assignment.test_files)
+        findings += _every_test_has_a_part(assignment, on_reference)
+        failing = [r.nodeid for r in on_reference if r.outcome != "passed"]
+        findings.append(
+            Finding("reference passes every graded test", not failing, _summary(failing))
+        )
+
+        console.print("running the graded tests on the student edition")
+        on_edition = run_tests(edition, assignment.test_files)
+        findings.append(_all_fail_with_stub_errors(on_reference, on_edition))
+
+        for part in assignment.part_ids:
+            console.print(f"running the graded tests with part {part} stubbed")
+            tree = Path(scratch) / f"stub-{part}"
+            copy_tree(root, tree, files)
+            stub_tree(tree, assignment, {part})
+            affected = assignment.dependents(part) | {part}
+            findings.append(
+                _part_isolated(part, affected, on_reference, run_tests(tree, assignment.test_files))
+            )
+    _print(findings, console)
+    return findings
+
+
+def _no_reference_code(root: Path, edition: Path, assignment: Assignment) -> list[Finding]:
+    bodies = []
+    leftovers = []
+    for path in assignment.editable:
+        bodies += [r.dedented_body() for r in find_regions((root / path).read_text(), path)]
+        leftovers += [
+            f"{path}:{r.begin + 1}"
+            for r in find_regions((edition / path).read_text(), path)
+            if not r.is_stub
+        ]
+    leaked = []
+    for path in source_files(edition):
+        text = (edition / path).read_text(errors="replace")
+        flat = "\n".join(line.strip() for line in text.splitlines())
+        for body in bodies:
+            if "\n".join(line.strip() for line in body.splitlines()) in flat:
+                leaked.append(path)
+                break
+    commits = subprocess.run(
+        ["git", "rev-list", "--count", "HEAD"], cwd=edition, capture_output=True, text=True
+    ).stdout.strip()
+    return [
+        Finding("every region of the edition is a stub", not leftovers, _summary(leftovers)),
+        Finding("no reference code in the edition's files", not leaked, _summary(leaked)),
+        Finding("the edition's history is one commit", commits == "1", f"{commits} commit(s)"),
+    ]
+
+
+def _imports(edition: Path) -> Finding:
+    program = (
+        "import pkgutil, vkv, importlib, pathlib, sys\n"
+        f"assert pathlib.Path(vkv.__file__).is_relative_to({str(edition)!r}), vkv.__file__\n"
+        "for m in pkgutil.walk_packages(vkv.__path__, 'vkv.'):\n"
+        "    importlib.import_module(m.name)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(edition), PYTHONDONTWRITEBYTECODE="1")
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=edition, env=env, capture_output=True, text=True
+    )
+    detail = "all modules import" if done.returncode == 0 else done.stderr.strip()[-500:]
+    return Finding("the edition imports", done.returncode == 0, detail)
+
+
+def _same_signatures(reference: Path, edition: Path) -> Finding:
+    differ = []
+    for path in sorted(reference.glob("vkv/**/*.py")):
+        relative = path.relative_to(reference)
+        ours = _signatures(path.read_text())
+        theirs = _signatures((edition / relative).read_text())
+        differ += [
+            f"{relative}:{name}"
+            for name in sorted(ours.keys() | theirs.keys())
+            if ours.get(name) != theirs.get(name)
+        ]
+    return Finding("public signatures equal the reference's", not differ, _summary(differ))
+
+
+def _signatures(text: str) -> dict[str, str]:
+    """Qualified name -> a canonical rendering of each class and function's signature."""
+    found: dict[str, str] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                bases = ", ".join(ast.unparse(base) for base in child.bases)
+                found[prefix + child.name] = f"class({bases})"
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                decorators = " ".join(ast.unparse(d) for d in child.decorator_list)
+                returns = ast.unparse(child.returns) if child.returns else ""
+                found[prefix + child.name] = (
+                    f"{decorators} ({ast.unparse(child.args)}) -> {returns}"
+                )
+
+    visit(ast.parse(text), "")
+    return {
+        name: sig
+        for name, sig in found.items()
+        if not name.rsplit(".", 1)[-1].startswith("_") or name.endswith("__")
+    }
+
+
+def _every_test_has_a_part(assignment: Assignment, results: list[TestResult]) -> list[Finding]:
+    orphans = [r.nodeid for r in results if r.part not in assignment.part_ids]
+    empty = [p for p in assignment.part_ids if not any(r.part == p for r in results)]
+    return [
+        Finding("every graded test belongs to a part", not orphans, _summary(orphans)),
+        Finding("every part has graded tests", not empty, _summary(empty)),
+    ]
+
+
+def _all_fail_with_stub_errors(reference: list[TestResult], edition: list[TestResult]) -> Finding:
+    outcome = {r.nodeid: r for r in edition}
+    wrong = []
+    for test in reference:
+        result = outcome.get(test.nodeid)
+        if result is None:
+            wrong.append(f"{test.nodeid} (did not run)")
+        elif result.outcome == "passed":
+            wrong.append(f"{test.nodeid} (passed on the stubs)")
+        elif "NotImplementedError" not in result.message:
+            wrong.append(f"{test.nodeid} (failed without NotImplementedError)")
+    return Finding(
+        "every graded test fails on the edition with NotImplementedError",
+        not wrong,
+        _summary(wrong) if wrong else f"{len(reference)} tests fail",
+    )
+
+
+def _part_isolated(
+    part: str, affected: set[str], reference: list[TestResult], stubbed: list[TestResult]
+) -> Finding:
+    outcome = {r.nodeid: r.outcome for r in stubbed}
+    wrong = []
+    for test in reference:
+        result = outcome.get(test.nodeid, "did not run")
+        if test.part == part and result == "passed":
+            wrong.append(f"{test.nodeid} passed with its part stubbed")
+        elif test.part not in affected and result != "passed":
+            wrong.append(
+                f"{test.nodeid} ({result}) although part {test.part} does not depend on {part}"
+            )
+    return Finding(
+        f"stubbing part {part} fails its tests and only its dependents'", not wrong, _summary(wrong)
+    )
+
+
+def _summary(items: Iterable[str]) -> str:
+    items = list(items)
+    if not items:
+        return "ok"
+    shown = "; ".join(items[:5])
+    return shown + (f"; and {len(items) - 5} more" if len(items) > 5 else "")
+
+
+def _print(findings: list[Finding], console: Console) -> None:
+    table = Table(title="vkv assignment check")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for finding in findings:
+        mark = "[green]ok[/green]" if finding.ok else "[red]FAIL[/red]"
+        table.add_row(finding.check, mark, finding.detail)
+    console.print(table)

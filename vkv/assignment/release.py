@@ -1,0 +1,105 @@
+"""The student edition (``vkv assignment release``) and reference hand-outs (``solve``).
+
+The edition is this repository's tracked files, less the instructor-only paths of
+``parts.toml``, with every solution region stubbed, committed as the single commit of a new
+git repository: no reference code in its files, nor in its history.
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from vkv.assignment.parts import Assignment
+from vkv.assignment.regions import RegionError, find_regions, restore_regions, stub_regions
+
+
+def source_files(root: Path, exclude: tuple[str, ...] = ()) -> list[str]:
+    """Files git tracks or would track in ``root`` (not ignored), less ``exclude`` prefixes."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
+    return sorted(
+        path
+        for path in listed
+        if path
+        and (root / path).is_file()
+        and not any(path == ex or path.startswith(ex.rstrip("/") + "/") for ex in exclude)
+    )
+
+
+def copy_tree(root: Path, out: Path, files: list[str]) -> None:
+    for path in files:
+        target = out / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / path, target)
+
+
+def check_regions_only_in_editable(root: Path, assignment: Assignment, files: list[str]) -> None:
+    """Raise ``RegionError`` if a file outside ``editable`` holds a solution region."""
+    for path in files:
+        editable = path in assignment.editable
+        if path.endswith(".py") and not editable and find_regions((root / path).read_text(), path):
+            raise RegionError(f"{path} holds solution regions but is not listed as editable")
+
+
+def stub_tree(tree: Path, assignment: Assignment, parts: set[str]) -> None:
+    """Stub the regions of ``parts`` in the editable files of ``tree``, in place."""
+    for path in assignment.editable:
+        file = tree / path
+        file.write_text(stub_regions(file.read_text(), parts, path))
+
+
+def release(root: Path, out: Path, *, commit: bool = True) -> list[str]:
+    """Write the student edition of the reference tree ``root`` into the new folder ``out``.
+
+    Returns the files written. Raises ``FileExistsError`` if ``out`` exists and is not empty.
+    """
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
+    assignment = Assignment.load(root)
+    files = source_files(root, assignment.release_exclude)
+    check_regions_only_in_editable(root, assignment, files)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_tree(root, out, files)
+    stub_tree(out, assignment, set(assignment.part_ids))
+    if commit:
+        _commit_single(out)
+    return files
+
+
+def solve(root: Path, tree: Path, parts: set[str]) -> list[str]:
+    """Put the reference code of ``parts`` into the student ``tree``; return the files changed."""
+    assignment = Assignment.load(root)
+    changed = []
+    for path in assignment.editable:
+        target = tree / path
+        if not target.is_file():
+            raise FileNotFoundError(f"{target} is missing: is {tree} a student edition?")
+        before = target.read_text()
+        after = restore_regions(before, (root / path).read_text(), parts, path)
+        if after != before:
+            target.write_text(after)
+            changed.append(path)
+    return changed
+
+
+def _commit_single(out: Path) -> None:
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=out, check=True, capture_output=True)
+
+    git("init", "-q", "-b", "main")
+    git("add", "-A")
+    git(
+        "-c",
+        "user.name=vkv-engine",
+        "-c",
+        "user.email=vkv-engine@localhost",
+        "commit",
+        "-q",
+        "-m",
+        "vkv-engine: student edition",
+    )

@@ -1,0 +1,75 @@
+"""Run graded tests of a tree in a child process and read back one result per test."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+from vkv.assignment.parts import part_of_test
+
+
+@dataclass(slots=True, frozen=True)
+class TestResult:
+    """One test's outcome: ``passed``, ``failed``, ``error`` or ``skipped``."""
+
+    file: str
+    name: str
+    outcome: str
+    message: str
+
+    @property
+    def part(self) -> str | None:
+        return part_of_test(Path(self.file).name, self.name)
+
+    @property
+    def nodeid(self) -> str:
+        return f"{self.file}::{self.name}"
+
+
+def run_tests(tree: Path, files: list[str], timeout: float = 900.0) -> list[TestResult]:
+    """Run pytest on ``files`` of ``tree``, importing ``vkv`` from ``tree``; one result per test.
+
+    Raises ``RuntimeError`` when pytest produced no report (it crashed or timed out).
+    """
+    with tempfile.TemporaryDirectory(prefix="vkv-junit-") as scratch:
+        report = Path(scratch) / "junit.xml"
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+            "-o",
+            "junit_family=xunit2",
+            *files,
+        ]
+        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        try:
+            done = subprocess.run(
+                command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"pytest in {tree} ran past {timeout:.0f} s") from exc
+        if not report.is_file():
+            raise RuntimeError(f"pytest in {tree} wrote no report:\n{done.stdout[-2000:]}")
+        return _parse_junit(report)
+
+
+def _parse_junit(report: Path) -> list[TestResult]:
+    results = []
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        module = case.get("classname", "")
+        file = module.replace(".", "/") + ".py"
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                message = (child.get("message") or "") + "\n" + (child.text or "")
+                break
+        results.append(TestResult(file, case.get("name", ""), outcome, message.strip()))
+    return results

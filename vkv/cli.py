@@ -1,0 +1,105 @@
+"""The ``vkv`` command.
+
+    vkv grade [PATH] [--format table|json]      score the graded tests of a tree, per part
+    vkv assignment release OUT                  write the student edition into OUT
+    vkv assignment solve DIR --parts 1.1,1.2    put reference code for those parts into DIR
+    vkv assignment check                        prove the assignment sound (see check.py)
+
+The ``assignment`` commands read the reference from the tree this package was installed from,
+or from ``--root``.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from vkv.assignment.parts import MANIFEST, Assignment
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console()
+    try:
+        return args.run(args, console)
+    except (FileNotFoundError, FileExistsError, KeyError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+
+
+def _grade(args: argparse.Namespace, console: Console) -> int:
+    from vkv.assignment.grade import as_json, grade, print_table
+
+    scores = grade(Path(args.path).resolve())
+    if args.format == "json":
+        print(as_json(scores))
+    else:
+        print_table(scores, console)
+    return 0
+
+
+def _release(args: argparse.Namespace, console: Console) -> int:
+    from vkv.assignment.release import release
+
+    out = Path(args.out).resolve()
+    files = release(_reference_root(args), out)
+    console.print(f"wrote the student edition ({len(files)} files, one commit) to {out}")
+    return 0
+
+
+def _solve(args: argparse.Namespace, console: Console) -> int:
+    from vkv.assignment.release import solve
+
+    root = _reference_root(args)
+    parts = Assignment.load(root).expand(args.parts)
+    changed = solve(root, Path(args.dir).resolve(), parts)
+    console.print(f"reference code for parts {', '.join(sorted(parts))} written to:")
+    for path in changed:
+        console.print(f"  {path}")
+    return 0
+
+
+def _check(args: argparse.Namespace, console: Console) -> int:
+    from vkv.assignment.check import check
+
+    findings = check(_reference_root(args), console)
+    return 0 if all(finding.ok for finding in findings) else 1
+
+
+def _reference_root(args: argparse.Namespace) -> Path:
+    root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parents[1]
+    if not (root / MANIFEST).is_file():
+        raise FileNotFoundError(
+            f"no reference tree at {root} ({MANIFEST} missing); pass --root REFERENCE"
+        )
+    return root
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vkv", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    grade = commands.add_parser("grade", help="score the graded tests of a tree, per part")
+    grade.add_argument("path", nargs="?", default=".", help="the tree to grade (default: .)")
+    grade.add_argument("--format", choices=["table", "json"], default="table")
+    grade.set_defaults(run=_grade)
+
+    assignment = commands.add_parser("assignment", help="instructor tooling")
+    tools = assignment.add_subparsers(required=True, metavar="TOOL")
+    release = tools.add_parser("release", help="write the student edition into OUT")
+    release.add_argument("out")
+    release.set_defaults(run=_release)
+    solve = tools.add_parser("solve", help="put reference code for some parts into a tree")
+    solve.add_argument("dir")
+    solve.add_argument("--parts", required=True, help="e.g. 1.1,1.2 or a phase: 1, or all")
+    solve.set_defaults(run=_solve)
+    check = tools.add_parser("check", help="prove the assignment sound")
+    check.set_defaults(run=_check)
+    for tool in (release, solve, check):
+        tool.add_argument("--root", help="the reference tree (default: this package's tree)")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())
