@@ -1,0 +1,100 @@
+"""``vkv assignment check`` must catch an unsound assignment (instructor tooling)."""
+
+import subprocess
+import textwrap
+from pathlib import Path
+
+from rich.console import Console
+
+from vkv.assignment.check import check
+
+MODULE = '''
+def double(x):
+    """Return 2 * x."""
+    ### BEGIN SOLUTION part1.1
+    return 2 * x
+    ### END SOLUTION
+
+
+def triple(x):
+    """Return 3 * x."""
+    ### BEGIN SOLUTION part1.2
+    return 3 * x
+    ### END SOLUTION
+'''
+
+TESTS = """
+from vkv.engine.toy import double, triple
+
+
+def test_part1_double():
+    assert double(2) == 4
+
+
+def test_part2_triple():
+    assert triple(2) == 6
+"""
+
+MANIFEST = """
+[assignment]
+editable = ["vkv/engine/toy.py"]
+release_exclude = []
+
+[[part]]
+id = "1.1"
+title = "double"
+points = 1
+
+[[part]]
+id = "1.2"
+title = "triple"
+points = 1
+"""
+
+
+def make_toy(root: Path, extra_tests: str = "") -> Path:
+    files = {
+        "assignment/parts.toml": MANIFEST,
+        "vkv/__init__.py": "",
+        "vkv/engine/__init__.py": "",
+        "vkv/engine/toy.py": MODULE,
+        "tests/test_phase1.py": TESTS + textwrap.dedent(extra_tests),
+    }
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    return root
+
+
+def failed_checks(root: Path) -> dict[str, str]:
+    findings = check(root, Console(quiet=True))
+    return {f.check: f.detail for f in findings if not f.ok}
+
+
+def test_a_sound_toy_assignment_passes(tmp_path):
+    assert failed_checks(make_toy(tmp_path)) == {}
+
+
+def test_a_test_that_passes_on_the_stub_is_caught(tmp_path):
+    root = make_toy(tmp_path, "\n\ndef test_part2_always():\n    assert True\n")
+    failed = failed_checks(root)
+    assert "test_part2_always (passed on the stubs)" in " ".join(failed.values())
+    assert "stubbing part 1.2 fails its tests and only its dependents'" in failed
+
+
+def test_an_undeclared_dependency_is_caught(tmp_path):
+    root = make_toy(
+        tmp_path, "\n\ndef test_part1_uses_triple():\n    assert double(triple(1)) == 6\n"
+    )
+    failed = failed_checks(root)
+    assert "stubbing part 1.2 fails its tests and only its dependents'" in failed
+    assert (
+        "does not depend on 1.2"
+        in failed["stubbing part 1.2 fails its tests and only its dependents'"]
+    )
+
+
+def test_a_test_outside_any_part_is_caught(tmp_path):
+    root = make_toy(tmp_path, "\n\ndef test_part7_orphan():\n    assert double(1) == 2\n")
+    assert "every graded test belongs to a part" in failed_checks(root)

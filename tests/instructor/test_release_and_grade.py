@@ -1,0 +1,77 @@
+"""The student edition, solve and grade on the real repository (instructor tooling)."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vkv.assignment.grade import as_json, grade
+from vkv.assignment.parts import Assignment
+from vkv.assignment.regions import find_regions
+from vkv.assignment.release import release, solve
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSIGNMENT = Assignment.load(ROOT)
+
+
+@pytest.fixture(scope="module")
+def edition(tmp_path_factory):
+    out = tmp_path_factory.mktemp("edition")
+    release(ROOT, out)
+    return out
+
+
+def test_edition_stubs_every_region_and_leaves_out_instructor_files(edition):
+    for path in ASSIGNMENT.editable:
+        regions = find_regions((edition / path).read_text(), path)
+        assert regions and all(r.is_stub for r in regions), f"{path} has an unstubbed region"
+    for excluded in ASSIGNMENT.release_exclude:
+        assert not (edition / excluded).exists(), f"{excluded} is instructor-only"
+    for needed in ("README.md", "pyproject.toml", "uv.lock", "assignment/phase1.md"):
+        assert (edition / needed).is_file(), f"the edition is a complete project: {needed}"
+
+
+def test_edition_is_a_fresh_repository_with_one_commit(edition):
+    count = subprocess.run(
+        ["git", "rev-list", "--count", "HEAD"], cwd=edition, capture_output=True, text=True
+    )
+    assert count.stdout.strip() == "1"
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=edition, capture_output=True)
+    assert status.stdout == b"", "everything in the edition is committed"
+
+
+def test_release_refuses_a_folder_that_is_not_empty(edition):
+    with pytest.raises(FileExistsError):
+        release(ROOT, edition)
+
+
+def test_grade_scores_zero_on_the_edition_and_per_part_after_solve(tmp_path):
+    out = tmp_path / "student"
+    release(ROOT, out, commit=False)
+    assert all(score.score == 0 for score in grade(out)), "the stubs earn no points"
+    solve(ROOT, out, {"1.1", "1.2"})
+    scores = {s.part.id: s for s in grade(out)}
+    assert scores["1.1"].score == scores["1.1"].part.points
+    assert scores["1.2"].score == scores["1.2"].part.points
+    assert scores["1.5"].status == "failed" and 0 <= scores["1.5"].score < scores["1.5"].part.points
+    document = json.loads(as_json(list(scores.values())))
+    assert document["max_score"] == sum(p.points for p in ASSIGNMENT.parts)
+    assert document["score"] == pytest.approx(sum(s.score for s in scores.values()))
+
+
+def test_solve_all_restores_the_reference_files(tmp_path):
+    out = tmp_path / "student"
+    release(ROOT, out, commit=False)
+    solve(ROOT, out, set(ASSIGNMENT.part_ids))
+    for path in ASSIGNMENT.editable:
+        assert (out / path).read_text() == (ROOT / path).read_text()
+
+
+def test_parts_manifest_is_consistent():
+    assert ASSIGNMENT.expand("1") == {"1.1", "1.2", "1.3", "1.4", "1.5"}
+    assert ASSIGNMENT.expand("1.2,1.4") == {"1.2", "1.4"}
+    assert ASSIGNMENT.dependents("1.2") == {"1.3", "1.4", "1.5"}
+    assert ASSIGNMENT.dependents("1.4") == set()
+    with pytest.raises(KeyError):
+        ASSIGNMENT.expand("9.9")
