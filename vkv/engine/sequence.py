@@ -61,6 +61,9 @@ class Sequence:
     - ``sampling_params``: the given ones, or ``SamplingParams()``.
     - ``arrival_time``: when the request arrived (the scheduler serves oldest first).
 
+    Set for you after your code: ``num_computed_tokens = 0``, the number of leading tokens whose
+    K/V are in the cache, which the scheduler (Phase 2) keeps up to date.
+
     Raises ``ValueError`` for an empty prompt or a block size that is not a positive integer.
     """
 
@@ -86,6 +89,8 @@ class Sequence:
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.arrival_time = arrival_time
         ### END SOLUTION
+        # Scheduler state (Phase 2): how many leading tokens have their K/V in the cache.
+        self.num_computed_tokens = 0
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -1,0 +1,69 @@
+"""Config: one validated set of options for the KV cache and the scheduler.
+
+Defaults follow vLLM v0 where it has them (a 1 % watermark, 256 sequences a step,
+``max_num_batched_tokens = max(max_model_len, 2048)`` without chunked prefill and 2048 with it).
+A bad value raises ``ValueError`` naming the option and what is allowed, at construction.
+"""
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class PreemptionMode(Enum):
+    """How the scheduler frees GPU blocks when a running sequence cannot grow."""
+
+    RECOMPUTE = "recompute"  # drop the blocks; prefill again later (prompt + generated tokens)
+    SWAP = "swap"  # move the blocks to the CPU pool; copy them back later
+    AUTO = "auto"  # vLLM v0: recompute a lone sequence, swap a group that shares blocks
+
+
+@dataclass(slots=True)
+class Config:
+    """Options of the KV cache and the scheduler (the model's options come with the runtime)."""
+
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    num_cpu_blocks: int = 0
+    watermark: float = 0.01
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = False
+    preemption_mode: PreemptionMode | str = PreemptionMode.AUTO
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        try:
+            self.preemption_mode = PreemptionMode(self.preemption_mode)
+        except ValueError:
+            allowed = ", ".join(mode.value for mode in PreemptionMode)
+            raise ValueError(
+                f"preemption_mode must be one of {allowed}, got {self.preemption_mode!r}"
+            ) from None
+        if self.max_num_batched_tokens is None:
+            default = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+            self.max_num_batched_tokens = max(default, self.max_num_seqs)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence decodes one token a step"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}): without chunked prefill the longest "
+                "prompt could never be scheduled; raise it or enable chunked prefill"
+            )
+
+    @property
+    def token_budget(self) -> int:
+        """``max_num_batched_tokens``, resolved (construction replaces None by the default)."""
+        return int(self.max_num_batched_tokens or 0)

@@ -1,0 +1,475 @@
+"""Scheduler: continuous batching over a paged KV cache (vLLM v0's policy, in small pieces).
+
+Each engine step the scheduler picks the sequences that run and how many tokens each computes;
+the model runs them; ``postprocess`` appends the sampled tokens. A sequence joins the batch as
+soon as its blocks fit and leaves it the step it finishes (iteration-level scheduling, Orca):
+there is no waiting for the slowest request of a batch.
+
+Token accounting. ``seq.num_computed_tokens`` counts the leading tokens whose K/V are in the
+cache. A scheduled sequence computes tokens ``[num_computed_tokens, num_computed_tokens + n)``:
+a *prefill* computes a whole prompt (or a chunk of it), a *decode* computes the one token the
+last step appended. When a step computes a sequence's last token, it yields logits for the next
+one, which ``postprocess`` appends; a prefill chunk that stops short yields nothing.
+
+Queues (every unfinished sequence is in exactly one):
+
+    waiting  deque, FCFS      holds no blocks: new, or preempted by recompute (put in front)
+    running  list, by arrival its blocks are on the GPU
+    swapped  list, by arrival its blocks are in the CPU pool (preempted by swap)
+
+The step policy (``schedule``, given; you write the pieces it calls):
+
+    without chunked prefill (vLLM v0's default):
+      1. if nothing is swapped: admit waiting prompts, oldest first, under the budgets
+      2. if no prompt was admitted: decode every running sequence; when one needs a block
+         and none is free, preempt the newest running sequence (itself if it is the newest);
+         then, unless this step preempted, swap sequences back in, oldest first
+    with chunked prefill:
+      1. running: decodes first, then the unfinished prefills, in chunks that fit the budget
+      2. unless this step preempted: swap back in; then, if nothing is swapped: admit prompts,
+         the last one cut to fit the token budget
+
+Budgets: at most ``max_num_seqs`` sequences run, and a step computes at most
+``max_num_batched_tokens`` tokens. A prompt longer than ``max_model_len``, or one that could
+never fit the GPU pool (``AllocStatus.NEVER``), finishes as FINISHED_IGNORED with a reason;
+``LATER`` stops admission for this step (first come, first served: no overtaking).
+
+Invariants
+- Every unfinished sequence is in exactly one queue, with the matching status and blocks.
+- A finished sequence (stopped, length-capped, aborted, ignored) is in no queue and holds no
+  block: ``postprocess`` and ``abort`` free blocks at once.
+- Each step respects both budgets; a swap-in and a swap-out never happen in one step.
+"""
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from vkv.config import Config, PreemptionMode
+from vkv.engine.block_manager import AllocStatus, BlockManager
+from vkv.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence of a step: it computes ``num_tokens`` tokens from ``num_computed_tokens``."""
+
+    seq: Sequence
+    num_tokens: int
+    is_prefill: bool
+
+
+@dataclass(slots=True)
+class IgnoredSequence:
+    """A request that can never run, and why."""
+
+    seq: Sequence
+    reason: str
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs, and the block copies the cache must make before it runs."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)  # {cpu: gpu}
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)  # {gpu: cpu}
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)  # {src: [dst, ...]}
+    ignored: list[IgnoredSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [item.seq for item in self.scheduled]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.scheduled)
+
+    @property
+    def num_prefills(self) -> int:
+        return sum(item.is_prefill for item in self.scheduled)
+
+    @property
+    def kind(self) -> str:
+        """``prefill``, ``decode``, ``mixed`` (chunked prefill) or ``idle`` (nothing runs)."""
+        prefills = self.num_prefills
+        if not self.scheduled:
+            return "idle"
+        if prefills == len(self.scheduled):
+            return "prefill"
+        return "decode" if prefills == 0 else "mixed"
+
+
+@dataclass(slots=True)
+class SchedulingBudget:
+    """What is left of one step's budgets (vLLM's name)."""
+
+    token_budget: int
+    max_num_seqs: int
+    num_batched_tokens: int = 0
+    num_seqs: int = 0
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.token_budget - self.num_batched_tokens
+
+    def can_schedule(self, num_tokens: int, num_seqs: int) -> bool:
+        return (
+            self.num_batched_tokens + num_tokens <= self.token_budget
+            and self.num_seqs + num_seqs <= self.max_num_seqs
+        )
+
+    def add(self, num_tokens: int, num_seqs: int) -> None:
+        self.num_batched_tokens += num_tokens
+        self.num_seqs += num_seqs
+
+
+def _by_arrival(seq: Sequence) -> tuple[float, int]:
+    return seq.arrival_time, seq.seq_id
+
+
+class Scheduler:
+    """Continuous batching with preemption; see the module docstring for the policy."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.block_manager = BlockManager(
+            config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.watermark
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self._unfinished: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def is_finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch (the policy in the module docstring)."""
+        out = SchedulerOutput()
+        budget = SchedulingBudget(
+            self.config.token_budget, self.config.max_num_seqs, num_seqs=len(self.running)
+        )
+        if self.config.enable_chunked_prefill:
+            if self.running:
+                self._schedule_running(out, budget)
+            if self.swapped and not out.preempted:
+                self._schedule_swapped(out, budget)
+            if self.waiting and not self.swapped and not out.preempted:
+                self._schedule_waiting(out, budget)
+            return out
+        if self.waiting and not self.swapped:
+            self._schedule_waiting(out, budget)
+        if not out.scheduled and self.running:
+            self._schedule_running(out, budget)
+        if self.swapped and not out.preempted:
+            self._schedule_swapped(out, budget)
+        return out
+
+    # -- part 2.1: admission ------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of ``waiting``.
+
+        Raises ``ValueError`` (and changes nothing) if a sequence with its id is unfinished here,
+        if it is not a fresh WAITING sequence that holds no blocks, or if its block size is not
+        the scheduler's.
+        """
+        ### BEGIN SOLUTION part2.1
+        if seq.seq_id in self._unfinished:
+            raise ValueError(f"a sequence with id {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(
+                f"sequence {seq.seq_id} is {seq.status.name} with blocks {seq.block_table}: "
+                "only a new WAITING sequence that holds no blocks can be added"
+            )
+        if seq.block_size != self.config.block_size:
+            raise ValueError(
+                f"sequence {seq.seq_id} has block size {seq.block_size}, "
+                f"the scheduler {self.config.block_size}"
+            )
+        self._unfinished[seq.seq_id] = seq
+        self.waiting.append(seq)
+        ### END SOLUTION
+
+    def abort(self, seq_id: int) -> Sequence:
+        """Finish an unfinished sequence as FINISHED_ABORTED, free its blocks, return it.
+
+        Raises ``ValueError`` for an id that is not unfinished here; nothing changes then.
+        """
+        ### BEGIN SOLUTION part2.1
+        seq = self._unfinished.get(seq_id)
+        if seq is None:
+            raise ValueError(f"abort: no unfinished sequence has id {seq_id}")
+        queue = {
+            SequenceStatus.WAITING: self.waiting,
+            SequenceStatus.RUNNING: self.running,
+            SequenceStatus.SWAPPED: self.swapped,
+        }[seq.status]
+        queue.remove(seq)
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+        ### END SOLUTION
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
+        """Admit waiting sequences, oldest first, while their blocks and the budgets allow.
+
+        Ignore (FINISHED_IGNORED, reason in ``out.ignored``) a sequence longer than
+        ``max_model_len`` or that can NEVER be allocated; stop at the first one that must wait
+        (LATER, or over a budget). An admitted sequence gets its blocks, becomes RUNNING, joins
+        ``running`` in arrival order and is scheduled as a prefill of its uncomputed tokens (with
+        chunked prefill, of as many as the token budget leaves: ``_prefill_chunk``).
+        """
+        ### BEGIN SOLUTION part2.1
+        while self.waiting:
+            seq = self.waiting[0]
+            if seq.num_tokens > self.config.max_model_len:
+                self._ignore(
+                    seq,
+                    f"{seq.num_tokens} tokens exceed max_model_len {self.config.max_model_len}",
+                    out,
+                )
+                continue
+            status = self.block_manager.can_allocate(seq)
+            if status is AllocStatus.NEVER:
+                self._ignore(
+                    seq,
+                    f"needs {seq.num_blocks} blocks; the GPU pool has "
+                    f"{self.block_manager.num_gpu_blocks} with a watermark of "
+                    f"{self.block_manager.watermark_blocks}",
+                    out,
+                )
+                continue
+            if status is AllocStatus.LATER:
+                break
+            num_tokens = seq.num_tokens - seq.num_computed_tokens
+            if self.config.enable_chunked_prefill:
+                num_tokens = self._prefill_chunk(seq, budget)
+            if num_tokens == 0 or not budget.can_schedule(num_tokens, 1):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_by_arrival)
+            out.scheduled.append(ScheduledSequence(seq, num_tokens, is_prefill=True))
+            budget.add(num_tokens, 1)
+        ### END SOLUTION
+
+    def _ignore(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
+        """Take the sequence at the front of ``waiting`` out for good, as FINISHED_IGNORED."""
+        ### BEGIN SOLUTION part2.1
+        self.waiting.popleft()
+        seq.status = SequenceStatus.FINISHED_IGNORED
+        del self._unfinished[seq.seq_id]
+        out.ignored.append(IgnoredSequence(seq, reason))
+        ### END SOLUTION
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Give the sequence its finished status, free its blocks, forget it."""
+        ### BEGIN SOLUTION part2.1
+        seq.status = status
+        if self.block_manager.device_of(seq) is not None:
+            self.block_manager.free(seq)
+        del self._unfinished[seq.seq_id]
+        ### END SOLUTION
+
+    # -- part 2.2: decode and postprocess -----------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
+        """Give every running sequence, oldest first, a slot for its newest token.
+
+        When ``can_append_slot`` fails, preempt the newest running sequence not yet handled
+        (``_preempt``) and retry; if the sequence itself is the newest, preempt it. A shared
+        last block copied on write goes into ``out.blocks_to_copy``. Sequences whose prefill
+        is unfinished (only with chunked prefill) are not decoded: they go, in order, to
+        ``_schedule_prefill_chunks`` after the decodes. ``running`` stays in arrival order.
+        """
+        ### BEGIN SOLUTION part2.2
+        queue = deque(self.running)
+        kept: list[Sequence] = []
+        unfinished_prefills: list[Sequence] = []
+        while queue:
+            seq = queue.popleft()
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                kept.append(seq)
+                unfinished_prefills.append(seq)
+                continue
+            while not self.block_manager.can_append_slot(seq):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out, budget)
+                if victim is seq:
+                    break
+            else:
+                copy = self.block_manager.append_slot(seq)
+                if copy is not None:
+                    out.blocks_to_copy.setdefault(copy[0], []).append(copy[1])
+                kept.append(seq)
+                out.scheduled.append(ScheduledSequence(seq, 1, is_prefill=False))
+                budget.add(1, 0)
+        self.running = kept
+        if unfinished_prefills:
+            self._schedule_prefill_chunks(unfinished_prefills, out, budget)
+        ### END SOLUTION
+
+    def postprocess(
+        self, scheduled: list[ScheduledSequence], token_ids: list[int]
+    ) -> list[Sequence]:
+        """Record a step's results: one sampled token per scheduled sequence, in order.
+
+        Each sequence's ``num_computed_tokens`` grows by what it computed; a sequence whose
+        tokens are now all computed appends its token (a prefill chunk that stopped short
+        ignores it). Then it finishes when ``_stop_status`` says so, and its blocks are freed
+        at once. Returns the sequences that finished. Sequences aborted since ``schedule`` are
+        skipped. Raises ``ValueError`` if the two lists differ in length (nothing changes).
+        """
+        ### BEGIN SOLUTION part2.2
+        if len(scheduled) != len(token_ids):
+            raise ValueError(
+                f"postprocess got {len(token_ids)} tokens for {len(scheduled)} sequences"
+            )
+        finished = []
+        for item, token_id in zip(scheduled, token_ids, strict=True):
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += item.num_tokens
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            seq.append_token(token_id)
+            status = self._stop_status(seq, token_id)
+            if status is not None:
+                self._finish(seq, status)
+                finished.append(seq)
+        if finished:
+            self.running = [seq for seq in self.running if not seq.is_finished]
+        return finished
+        ### END SOLUTION
+
+    def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        """The finished status the sequence reaches with ``token_id``, or None to go on.
+
+        FINISHED_STOPPED on the EOS token (``config.eos_token_id``) unless ``ignore_eos``;
+        FINISHED_LENGTH_CAPPED at ``max_tokens`` completion tokens, or past ``max_model_len``
+        tokens (vLLM's rule: a sequence may end one token past it, as that token's K/V are never
+        computed). EOS wins when both apply.
+        """
+        ### BEGIN SOLUTION part2.2
+        params = seq.sampling_params
+        if token_id == self.config.eos_token_id and not params.ignore_eos:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_completion_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
+        if seq.num_tokens > self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
+        return None
+        ### END SOLUTION
+
+    # -- part 2.3: preemption by recompute ----------------------------------------------------
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, budget: SchedulingBudget) -> None:
+        """Take a running sequence off the GPU to free its blocks.
+
+        By swap when ``config.preemption_mode`` is SWAP (falling back to recompute when the CPU
+        pool has no room: ``_preempt_by_swap`` returns False); by recompute for RECOMPUTE and
+        AUTO (vLLM v0 swaps only groups of sequences that share blocks; every request here is one
+        sequence). Record it in ``out.preempted``, count it in ``num_preemptions``, and give its
+        place back to the budget (one sequence fewer).
+        """
+        ### BEGIN SOLUTION part2.3
+        swapped = self.config.preemption_mode is PreemptionMode.SWAP and self._preempt_by_swap(
+            seq, out
+        )
+        if not swapped:
+            self._preempt_by_recompute(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+        budget.num_seqs -= 1
+        ### END SOLUTION
+
+    def _preempt_by_recompute(self, seq: Sequence) -> None:
+        """Free all of the sequence's blocks; it waits, first in line, to prefill again.
+
+        Everything it had computed is lost (``num_computed_tokens`` back to 0); its tokens,
+        generated ones included, are kept and recomputed by its next prefill.
+        """
+        ### BEGIN SOLUTION part2.3
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        ### END SOLUTION
+
+    # -- part 2.4: preemption by swap ---------------------------------------------------------
+
+    def _preempt_by_swap(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Move the sequence's blocks to the CPU pool; False (nothing done) if they do not fit.
+
+        On success the map goes into ``out.blocks_to_swap_out``, the sequence becomes SWAPPED
+        and joins ``swapped`` in arrival order. Its computed tokens survive.
+        """
+        ### BEGIN SOLUTION part2.4
+        if not self.block_manager.can_swap_out([seq]):
+            return False
+        out.blocks_to_swap_out.update(self.block_manager.swap_out([seq]))
+        seq.status = SequenceStatus.SWAPPED
+        bisect.insort(self.swapped, seq, key=_by_arrival)
+        return True
+        ### END SOLUTION
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
+        """Swap sequences back in, oldest first, while the GPU pool and the budgets allow.
+
+        Stop at the first that does not fit (``can_swap_in``, or one more sequence and one more
+        token over budget). A sequence swapped in becomes RUNNING, joins ``running`` in arrival
+        order and, if a slot for its newest token is free, is scheduled as a decode this step
+        (otherwise the next step's decode pass deals with it).
+        """
+        ### BEGIN SOLUTION part2.4
+        num_swapped_in = 0
+        for seq in self.swapped:
+            if not budget.can_schedule(1, 1) or not self.block_manager.can_swap_in([seq]):
+                break
+            out.blocks_to_swap_in.update(self.block_manager.swap_in([seq]))
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_by_arrival)
+            num_swapped_in += 1
+            budget.add(0, 1)
+            if self.block_manager.can_append_slot(seq):
+                copy = self.block_manager.append_slot(seq)
+                if copy is not None:
+                    out.blocks_to_copy.setdefault(copy[0], []).append(copy[1])
+                out.scheduled.append(ScheduledSequence(seq, 1, is_prefill=False))
+                budget.add(1, 0)
+        del self.swapped[:num_swapped_in]
+        ### END SOLUTION
+
+    # -- part 2.5: chunked prefill ------------------------------------------------------------
+
+    def _prefill_chunk(self, seq: Sequence, budget: SchedulingBudget) -> int:
+        """How many of the sequence's uncomputed tokens fit in what is left of the token budget."""
+        ### BEGIN SOLUTION part2.5
+        return min(seq.num_tokens - seq.num_computed_tokens, budget.remaining_tokens)
+        ### END SOLUTION
+
+    def _schedule_prefill_chunks(
+        self, seqs: list[Sequence], out: SchedulerOutput, budget: SchedulingBudget
+    ) -> None:
+        """Schedule the next chunk of each running, unfinished prefill, oldest first.
+
+        Each gets ``_prefill_chunk`` tokens; stop when the token budget is spent. These sequences
+        already hold their blocks and count as running: they use tokens, not sequence places.
+        """
+        ### BEGIN SOLUTION part2.5
+        for seq in seqs:
+            num_tokens = self._prefill_chunk(seq, budget)
+            if num_tokens == 0:
+                break
+            out.scheduled.append(ScheduledSequence(seq, num_tokens, is_prefill=True))
+            budget.add(num_tokens, 0)
+        ### END SOLUTION
