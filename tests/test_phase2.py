@@ -1,0 +1,724 @@
+"""Graded tests for Phase 2: the continuous-batching Scheduler.
+
+``uv run pytest tests/test_phase2.py -k part3 -v`` runs the tests of part 2.3. The tests drive
+the scheduler as the engine does: ``out = schedule()``, run the step (here: invent one token
+per scheduled sequence), ``postprocess(out.scheduled, tokens)``.
+"""
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from vkv.config import Config
+from vkv.engine.block import Device
+from vkv.engine.scheduler import Scheduler, SchedulerOutput
+from vkv.engine.sequence import Sequence, SequenceStatus
+from vkv.engine.simulator import Request, simulate
+from vkv.sampling_params import SamplingParams
+
+TOKEN = 5
+EOS = 2
+STATEFUL = settings(
+    max_examples=40,
+    stateful_step_count=40,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    options = {
+        "block_size": 4,
+        "num_gpu_blocks": 64,
+        "num_cpu_blocks": 0,
+        "watermark": 0.0,
+        "max_model_len": 64,
+        "max_num_seqs": 8,
+        "eos_token_id": EOS,
+    }
+    options.update(overrides)
+    return Scheduler(Config(**options))
+
+
+def make_seq(
+    scheduler: Scheduler,
+    seq_id: int,
+    prompt_len: int,
+    max_tokens: int = 16,
+    arrival: float | None = None,
+    ignore_eos: bool = False,
+) -> Sequence:
+    seq = Sequence(
+        seq_id,
+        [10 + seq_id * 100 + i for i in range(prompt_len)],
+        scheduler.config.block_size,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+        arrival_time=float(seq_id if arrival is None else arrival),
+    )
+    scheduler.add(seq)
+    return seq
+
+
+def step(scheduler: Scheduler, token: int = TOKEN) -> SchedulerOutput:
+    """One engine step with a stand-in model that samples ``token`` for everyone."""
+    out = scheduler.schedule()
+    scheduler.postprocess(out.scheduled, [token] * len(out.scheduled))
+    return out
+
+
+def ids(seqs) -> list[int]:
+    return [seq.seq_id for seq in seqs]
+
+
+def planned(out: SchedulerOutput) -> list[tuple[int, int, bool]]:
+    return [(item.seq.seq_id, item.num_tokens, item.is_prefill) for item in out.scheduled]
+
+
+# --------------------------------------------------------------------------------------------
+# Part 2.1: admission and budgets
+# --------------------------------------------------------------------------------------------
+
+
+def test_part1_admits_waiting_prompts_first_come_first_served_as_one_prefill_step():
+    s = make_scheduler()
+    a, b, c = (make_seq(s, i, n) for i, n in enumerate((5, 9, 3)))
+    out = s.schedule()
+    assert planned(out) == [(0, 5, True), (1, 9, True), (2, 3, True)], (
+        "each admitted prompt is scheduled as one prefill of all its tokens, oldest first"
+    )
+    assert out.kind == "prefill" and out.num_batched_tokens == 17
+    assert ids(s.running) == [0, 1, 2] and not s.waiting
+    assert all(seq.status is SequenceStatus.RUNNING for seq in (a, b, c))
+    assert [len(seq.block_table) for seq in (a, b, c)] == [2, 3, 1], "admission allocates blocks"
+
+
+def test_part1_max_num_seqs_caps_admission():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        make_seq(s, i, 3)
+    out = s.schedule()
+    assert ids(out.seqs) == [0, 1], "at most max_num_seqs=2 sequences may run"
+    assert ids(s.waiting) == [2, 3]
+
+
+def test_part1_token_budget_caps_admission_without_overtaking():
+    s = make_scheduler(max_num_batched_tokens=64, max_model_len=64)
+    make_seq(s, 0, 40)
+    make_seq(s, 1, 30)  # 40 + 30 > 64: waits
+    make_seq(s, 2, 4)  # would fit, but must not overtake sequence 1
+    out = s.schedule()
+    assert ids(out.seqs) == [0], (
+        f"budget 64 tokens: admit the 40-token prompt and stop at the 30-token one (FCFS), "
+        f"got {ids(out.seqs)}"
+    )
+    assert ids(s.waiting) == [1, 2]
+
+
+def test_part1_later_stops_admission_for_this_step():
+    s = make_scheduler(num_gpu_blocks=8)
+    make_seq(s, 0, 20)  # 5 blocks
+    later = make_seq(s, 1, 16)  # 4 blocks: only 3 left -> LATER
+    make_seq(s, 2, 4)  # 1 block would fit, but FCFS: no overtaking
+    out = s.schedule()
+    assert ids(out.seqs) == [0]
+    assert list(s.waiting) == [later, s.waiting[1]] and later.status is SequenceStatus.WAITING
+    assert later.block_table == [], "a sequence that must wait holds no blocks"
+    assert not out.ignored
+
+
+def test_part1_prompt_longer_than_max_model_len_is_ignored_with_a_reason():
+    s = make_scheduler(max_model_len=16)
+    too_long = make_seq(s, 0, 17)
+    fine = make_seq(s, 1, 4)
+    out = s.schedule()
+    assert [i.seq for i in out.ignored] == [too_long]
+    assert "max_model_len" in out.ignored[0].reason, f"reason: {out.ignored[0].reason!r}"
+    assert too_long.status is SequenceStatus.FINISHED_IGNORED and too_long.block_table == []
+    assert ids(out.seqs) == [1], "an ignored request must not hold up the ones behind it"
+    assert fine.status is SequenceStatus.RUNNING and s.num_unfinished == 1
+
+
+def test_part1_prompt_that_never_fits_the_pool_is_ignored():
+    s = make_scheduler(num_gpu_blocks=4, max_model_len=64)
+    huge = make_seq(s, 0, 17)  # 5 blocks > 4
+    make_seq(s, 1, 4)
+    out = s.schedule()
+    assert [i.seq for i in out.ignored] == [huge], "AllocStatus.NEVER means FINISHED_IGNORED"
+    assert huge.status is SequenceStatus.FINISHED_IGNORED
+    assert ids(out.seqs) == [1]
+    assert s.block_manager.num_free_gpu_blocks == 3
+
+
+def test_part1_duplicate_seq_id_is_rejected_and_changes_nothing():
+    s = make_scheduler()
+    make_seq(s, 0, 4)
+    twin = Sequence(0, [1, 2], 4)
+    with pytest.raises(ValueError):
+        s.add(twin)
+    assert s.num_unfinished == 1 and len(s.waiting) == 1
+
+
+def test_part1_add_rejects_a_sequence_that_is_not_fresh_or_of_another_block_size():
+    s = make_scheduler()
+    used = Sequence(1, [1, 2], 4)
+    used.status = SequenceStatus.RUNNING
+    with pytest.raises(ValueError):
+        s.add(used)
+    with pytest.raises(ValueError):
+        s.add(Sequence(2, [1, 2], 8))
+    assert s.num_unfinished == 0
+
+
+def test_part1_abort_a_waiting_and_a_running_sequence():
+    s = make_scheduler(max_num_seqs=1)
+    running, waiting = make_seq(s, 0, 8), make_seq(s, 1, 8)
+    s.schedule()
+    assert s.abort(1) is waiting and waiting.status is SequenceStatus.FINISHED_ABORTED
+    s.abort(0)
+    assert running.status is SequenceStatus.FINISHED_ABORTED
+    assert running.block_table == [], "an aborted sequence's blocks are freed at once"
+    assert s.block_manager.num_free_gpu_blocks == 64 and s.is_finished()
+
+
+def test_part1_aborting_an_unknown_id_raises_and_changes_nothing():
+    s = make_scheduler()
+    make_seq(s, 0, 4)
+    s.schedule()
+    with pytest.raises(ValueError):
+        s.abort(42)
+    s.abort(0)
+    with pytest.raises(ValueError):
+        s.abort(0)  # already finished
+    assert s.block_manager.num_free_gpu_blocks == 64 and s.is_finished()
+
+
+# --------------------------------------------------------------------------------------------
+# Part 2.2: decode and continuous batching
+# --------------------------------------------------------------------------------------------
+
+
+def test_part2_prefill_yields_the_first_token_then_each_decode_one_more():
+    s = make_scheduler()
+    seq = make_seq(s, 0, 6)
+    step(s, token=11)
+    assert seq.completion_token_ids == [11], "a finished prefill samples the first new token"
+    assert seq.num_computed_tokens == 6, "the prefill computed the 6 prompt tokens"
+    out = step(s, token=12)
+    assert planned(out) == [(0, 1, False)] and out.kind == "decode"
+    assert seq.completion_token_ids == [11, 12] and seq.num_computed_tokens == 7
+
+
+def test_part2_decode_step_runs_every_running_sequence_once():
+    s = make_scheduler()
+    for i in range(3):
+        make_seq(s, i, 4 + i)
+    step(s)
+    out = step(s)
+    assert planned(out) == [(0, 1, False), (1, 1, False), (2, 1, False)]
+
+
+def test_part2_decode_takes_a_new_block_exactly_at_a_block_boundary():
+    s = make_scheduler()
+    seq = make_seq(s, 0, 7, max_tokens=30)  # 7 tokens: 2 blocks of 4
+    step(s)  # prefill -> token 8, still in block 2
+    assert len(seq.block_table) == 2
+    step(s)  # decode token 8 (in block 2), sample token 9
+    assert len(seq.block_table) == 2
+    step(s)  # decode token 9: opens block 3
+    assert len(seq.block_table) == 3, "the token at position 8 needs a third block of 4"
+
+
+def test_part2_finishes_at_max_tokens_and_frees_blocks_at_once():
+    s = make_scheduler()
+    seq = make_seq(s, 0, 4, max_tokens=3)
+    finished = []
+    for _ in range(3):
+        finished += s.postprocess((out := s.schedule()).scheduled, [TOKEN] * len(out.scheduled))
+    assert finished == [seq]
+    assert seq.status is SequenceStatus.FINISHED_LENGTH_CAPPED
+    assert seq.num_completion_tokens == 3
+    assert seq.block_table == [] and s.block_manager.num_free_gpu_blocks == 64
+    assert s.running == [] and s.is_finished()
+
+
+def test_part2_finishes_on_eos_unless_ignore_eos():
+    s = make_scheduler()
+    stops = make_seq(s, 0, 4, max_tokens=10)
+    goes_on = make_seq(s, 1, 4, max_tokens=10, ignore_eos=True)
+    step(s, token=EOS)
+    assert stops.status is SequenceStatus.FINISHED_STOPPED
+    assert stops.completion_token_ids == [EOS], "the EOS token is part of the output"
+    assert goes_on.status is SequenceStatus.RUNNING, "ignore_eos keeps generating past EOS"
+    assert ids(s.running) == [1]
+
+
+def test_part2_finishes_past_max_model_len():
+    s = make_scheduler(max_model_len=8)
+    seq = make_seq(s, 0, 6, max_tokens=100)
+    for _ in range(5):
+        step(s)
+        if seq.is_finished:
+            break
+    assert seq.status is SequenceStatus.FINISHED_LENGTH_CAPPED
+    assert seq.num_tokens == 9, (
+        f"with max_model_len 8 a sequence stops when it passes 8 tokens; it has {seq.num_tokens}"
+    )
+
+
+def test_part2_a_finished_sequences_place_is_refilled_the_next_step():
+    s = make_scheduler(max_num_seqs=2)
+    make_seq(s, 0, 4, max_tokens=2)
+    make_seq(s, 1, 4, max_tokens=10)
+    waiting = make_seq(s, 2, 4, max_tokens=10)
+    step(s)  # prefill 0 and 1
+    step(s)  # decode: sequence 0 finishes
+    assert ids(s.running) == [1]
+    out = step(s)
+    assert ids(out.seqs) == [2] and out.kind == "prefill", (
+        "continuous batching: the freed place goes to the waiting request at the next step"
+    )
+    assert ids(s.running) == [1, 2] and waiting.status is SequenceStatus.RUNNING
+
+
+def test_part2_postprocess_with_a_token_count_mismatch_raises_and_changes_nothing():
+    s = make_scheduler()
+    seq = make_seq(s, 0, 4)
+    out = s.schedule()
+    with pytest.raises(ValueError):
+        s.postprocess(out.scheduled, [])
+    assert seq.num_tokens == 4 and seq.num_computed_tokens == 0
+
+
+def test_part2_a_sequence_aborted_mid_step_is_skipped_by_postprocess():
+    s = make_scheduler()
+    make_seq(s, 0, 4)
+    keep = make_seq(s, 1, 4)
+    out = s.schedule()
+    gone = s.abort(0)
+    s.postprocess(out.scheduled, [TOKEN, TOKEN])
+    assert gone.num_tokens == 4 and gone.status is SequenceStatus.FINISHED_ABORTED
+    assert keep.num_tokens == 5 and ids(s.running) == [1]
+
+
+def test_part2_all_requests_finish_with_their_full_output():
+    config = Config(block_size=4, num_gpu_blocks=256, max_model_len=64, max_num_seqs=4)
+    requests = [Request(0.0, 3 + 5 * i % 17, 1 + 7 * i % 13) for i in range(12)]
+    result = simulate(config, requests)
+    assert len(result.finished) == 12 and result.num_preemptions == 0
+    by_id = {seq.seq_id: seq for seq in result.finished}
+    assert [by_id[i].num_completion_tokens for i in range(12)] == [r.output_len for r in requests]
+    assert max(step.num_running for step in result.steps) == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Part 2.3: preemption by recompute
+# --------------------------------------------------------------------------------------------
+
+
+def full_pool_of_two(mode: str = "recompute", **overrides) -> tuple[Scheduler, Sequence, Sequence]:
+    """Two running sequences whose blocks fill a pool of 4; both need a new block next."""
+    s = make_scheduler(num_gpu_blocks=4, preemption_mode=mode, **overrides)
+    old, new = make_seq(s, 0, 7, max_tokens=8), make_seq(s, 1, 7, max_tokens=8)
+    step(s)  # prefill both: 2 blocks each, now 8 tokens each
+    step(s)  # decode token 8: fits; sampled token 9 needs a new block
+    assert s.block_manager.num_free_gpu_blocks == 0
+    return s, old, new
+
+
+def test_part3_the_newest_running_sequence_is_preempted_by_recompute():
+    s, _, new = full_pool_of_two()
+    out = s.schedule()
+    assert out.preempted == [new], "when blocks run out, the newest running sequence goes"
+    assert planned(out) == [(0, 1, False)], "the oldest goes on decoding"
+    assert new.status is SequenceStatus.WAITING and s.waiting[0] is new
+    assert new.block_table == [] and new.num_computed_tokens == 0
+    assert new.num_tokens == 9, "recompute keeps the generated tokens, only the K/V are lost"
+    assert s.num_preemptions == 1 and ids(s.running) == [0]
+
+
+def test_part3_a_sequence_preempts_itself_when_it_is_the_newest():
+    s = make_scheduler(num_gpu_blocks=4, preemption_mode="recompute")
+    make_seq(s, 0, 8, max_tokens=6)
+    new = make_seq(s, 1, 7, max_tokens=6)
+    step(s)  # seq 0: 8 tokens -> 9 (needs block 3), new: 7 -> 8 (fits)
+    out = s.schedule()
+    assert out.preempted == [new], (
+        "sequence 0 needs a block: the newest running sequence (1) is preempted instead"
+    )
+    assert ids(out.seqs) == [0]
+    s.postprocess(out.scheduled, [TOKEN])
+    s2 = make_scheduler(num_gpu_blocks=4, preemption_mode="recompute")
+    make_seq(s2, 0, 7, max_tokens=6)
+    b = make_seq(s2, 1, 8, max_tokens=6)
+    step(s2)  # seq 0: 8 tokens (fits), b: 9 tokens (needs a block, none free)
+    out = s2.schedule()
+    assert out.preempted == [b] and ids(out.seqs) == [0], (
+        "b is the newest: with no one newer to preempt, it preempts itself"
+    )
+
+
+def test_part3_a_preempted_sequence_is_recomputed_and_finishes_correctly():
+    s, old, new = full_pool_of_two()
+    for _ in range(200):
+        if s.is_finished():
+            break
+        out = step(s)
+        assert not out.blocks_to_swap_out, "recompute mode never swaps"
+    assert s.is_finished()
+    for seq in (old, new):
+        assert seq.status is SequenceStatus.FINISHED_LENGTH_CAPPED
+        assert seq.num_completion_tokens == 8, f"sequence {seq.seq_id} lost tokens"
+
+
+def test_part3_recompute_prefills_prompt_and_generated_tokens():
+    s, _, new = full_pool_of_two()
+    step(s)  # preempts new, which holds 9 tokens: 7 prompt + 2 generated
+    for _ in range(50):
+        out = s.schedule()
+        if new in out.seqs:
+            break
+        s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))
+    item = next(item for item in out.scheduled if item.seq is new)
+    assert (item.num_tokens, item.is_prefill) == (9, True), (
+        f"re-admitted, it prefills all 9 tokens (prompt and generated); "
+        f"got {item.num_tokens} tokens, prefill={item.is_prefill}"
+    )
+
+
+def test_part3_auto_mode_recomputes_single_sequences():
+    s, _, new = full_pool_of_two(mode="auto", num_cpu_blocks=16)
+    out = s.schedule()
+    assert out.preempted == [new] and not out.blocks_to_swap_out
+    assert new.status is SequenceStatus.WAITING
+
+
+def test_part3_everything_finishes_under_memory_pressure():
+    config = Config(
+        block_size=4,
+        num_gpu_blocks=20,
+        max_model_len=64,
+        max_num_seqs=8,
+        watermark=0.0,
+        preemption_mode="recompute",
+    )
+    requests = [Request(0.0, 10 + i % 7, 20 + 3 * i % 11) for i in range(10)]
+    result = simulate(config, requests)
+    assert result.num_preemptions > 0, "this pool is too small for all to run: expect preemption"
+    by_id = {seq.seq_id: seq for seq in result.finished}
+    assert [by_id[i].num_completion_tokens for i in range(10)] == [r.output_len for r in requests]
+
+
+# --------------------------------------------------------------------------------------------
+# Part 2.4: preemption by swap
+# --------------------------------------------------------------------------------------------
+
+
+def test_part4_swap_mode_moves_the_newest_sequence_to_the_cpu():
+    s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=8)
+    gpu_blocks = list(new.block_table)
+    out = s.schedule()
+    assert out.preempted == [new]
+    assert sorted(out.blocks_to_swap_out) == sorted(gpu_blocks), (
+        "blocks_to_swap_out maps each of its GPU blocks to a CPU block"
+    )
+    assert new.status is SequenceStatus.SWAPPED and ids(s.swapped) == [1]
+    assert s.block_manager.device_of(new) is Device.CPU
+    assert new.num_computed_tokens == 8, "a swapped sequence keeps its computed K/V"
+
+
+def test_part4_swapped_sequences_come_back_before_new_prompts():
+    s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=8, max_model_len=64)
+    s.schedule()  # new is swapped out
+    s.postprocess([], [])
+    s.abort(0)  # the old one leaves: room for everyone
+    newcomer = make_seq(s, 5, 4)
+    out = s.schedule()
+    assert new.status is SequenceStatus.RUNNING and ids(out.seqs) == [1], (
+        "while a sequence is swapped out, no new prompt is admitted; it comes back first"
+    )
+    assert sorted(out.blocks_to_swap_in.values()) == sorted(new.block_table[:2]), (
+        "blocks_to_swap_in maps its 2 CPU blocks to the GPU blocks its table now starts with"
+    )
+    assert newcomer.status is SequenceStatus.WAITING
+    assert not out.blocks_to_swap_out, "a step never swaps in and out at once"
+
+
+def test_part4_swap_in_is_first_come_first_served():
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=12, preemption_mode="swap")
+    seqs = [make_seq(s, i, 7, max_tokens=8) for i in range(4)]  # 2 blocks each: pool full
+    step(s)
+    step(s)
+    out = s.schedule()  # each needs a third block: 3 goes, then 2 (the newest left) goes
+    assert out.preempted == [seqs[3], seqs[2]] and ids(s.swapped) == [2, 3], (
+        "victims are the newest running sequences; swapped stays in arrival order"
+    )
+    s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))
+    assert s.block_manager.num_free_gpu_blocks == 2, "room for one of the two to come back"
+    s.schedule()
+    assert seqs[2].status is SequenceStatus.RUNNING and ids(s.swapped) == [3], (
+        "the oldest swapped sequence comes back first"
+    )
+
+
+def test_part4_falls_back_to_recompute_when_the_cpu_pool_is_full():
+    s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=1)
+    out = s.schedule()
+    assert out.preempted == [new] and not out.blocks_to_swap_out
+    assert new.status is SequenceStatus.WAITING and new.block_table == [], (
+        "no CPU room for 2 blocks: recompute instead of failing"
+    )
+
+
+def test_part4_everything_finishes_with_swapping():
+    config = Config(
+        block_size=4,
+        num_gpu_blocks=20,
+        num_cpu_blocks=40,
+        max_model_len=64,
+        max_num_seqs=8,
+        watermark=0.0,
+        preemption_mode="swap",
+    )
+    requests = [Request(0.0, 10 + i % 7, 20 + 3 * i % 11) for i in range(10)]
+    swaps = []
+    result = simulate(config, requests, on_step=lambda _, out: swaps.append(out.blocks_to_swap_out))
+    assert any(swaps), "this pool is too small for all to run: expect swapping"
+    by_id = {seq.seq_id: seq for seq in result.finished}
+    assert [by_id[i].num_completion_tokens for i in range(10)] == [r.output_len for r in requests]
+
+
+# --------------------------------------------------------------------------------------------
+# Part 2.5: chunked prefill
+# --------------------------------------------------------------------------------------------
+
+
+def chunked(**overrides) -> Scheduler:
+    options = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16, "max_model_len": 64}
+    options.update(overrides)
+    return make_scheduler(**options)
+
+
+def test_part5_a_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
+    s = chunked()
+    seq = make_seq(s, 0, 40)
+    chunks = [planned(step(s)) for _ in range(3)]
+    assert chunks == [[(0, 16, True)], [(0, 16, True)], [(0, 8, True)]], (
+        f"a 40-token prompt under a 16-token budget runs as chunks 16, 16, 8; got {chunks}"
+    )
+    assert seq.num_completion_tokens == 1, "only the last chunk yields a token"
+    assert seq.num_computed_tokens == 40
+
+
+def test_part5_decodes_go_first_and_are_not_stalled_by_a_long_prompt():
+    s = chunked()
+    short = make_seq(s, 0, 4, max_tokens=30)
+    step(s)  # prefill the short one
+    make_seq(s, 1, 40)
+    out = s.schedule()
+    assert planned(out) == [(0, 1, False), (1, 15, True)], (
+        "decodes first, then the prompt's chunk in what is left of the budget (16 - 1)"
+    )
+    assert out.kind == "mixed"
+    s.postprocess(out.scheduled, [TOKEN, TOKEN])
+    for _ in range(3):
+        out = step(s)
+        assert (0, 1, False) in planned(out), "the running sequence decodes every step"
+    assert short.num_completion_tokens == 5
+
+
+def test_part5_the_budget_holds_every_step():
+    s = chunked(max_num_seqs=4)
+    for i in range(6):
+        make_seq(s, i, 11 + 3 * i, max_tokens=5)
+    while not s.is_finished():
+        out = step(s)
+        assert out.num_batched_tokens <= 16, f"step computed {out.num_batched_tokens} > 16 tokens"
+        assert len(s.running) <= 4
+
+
+def test_part5_chunked_and_unchunked_runs_produce_the_same_outputs():
+    requests = [Request(0.0, 5 + 9 * i % 40, 1 + 5 * i % 9) for i in range(10)]
+    base = {"block_size": 4, "num_gpu_blocks": 200, "max_model_len": 64, "max_num_seqs": 4}
+    plain = simulate(Config(**base), requests)
+    cut = simulate(Config(**base, enable_chunked_prefill=True, max_num_batched_tokens=8), requests)
+    outputs = {s.seq_id: s.token_ids for s in plain.finished}
+    assert {s.seq_id: s.token_ids for s in cut.finished} == outputs
+    assert any(step.kind == "mixed" for step in cut.steps), "expected mixed steps"
+    assert max(step.num_batched_tokens for step in cut.steps) <= 8
+
+
+# --------------------------------------------------------------------------------------------
+# Random arrivals, steps and aborts on tiny pools (Hypothesis stateful testing)
+# --------------------------------------------------------------------------------------------
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Drives the scheduler with random requests, steps and aborts; checks it after each step.
+
+    Every request the machine makes fits the GPU pool alone, except the ones it makes too long
+    on purpose, which must be ignored. At the end (teardown) it steps until all finish: a
+    scheduler that starves a request or livelocks fails there.
+    """
+
+    MODE = "recompute"
+    CHUNKED = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next_id = 0
+        self.seqs: list[Sequence] = []
+        self.last: SchedulerOutput | None = None
+
+    @initialize(
+        block_size=st.integers(1, 4),
+        num_gpu_blocks=st.integers(3, 12),
+        num_cpu_blocks=st.integers(0, 12),
+        max_num_seqs=st.integers(1, 4),
+    )
+    def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs):
+        budget = max(max_num_seqs, 6) if self.CHUNKED else None
+        self.s = Scheduler(
+            Config(
+                block_size=block_size,
+                num_gpu_blocks=num_gpu_blocks,
+                num_cpu_blocks=num_cpu_blocks,
+                watermark=0.0,
+                max_model_len=24,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget,
+                enable_chunked_prefill=self.CHUNKED,
+                preemption_mode=self.MODE,
+                eos_token_id=EOS,
+            )
+        )
+
+    @rule(prompt_len=st.integers(1, 24), max_tokens=st.integers(1, 8), oversize=st.booleans())
+    def add(self, prompt_len, max_tokens, oversize):
+        capacity = min(
+            self.s.config.max_model_len, self.s.config.num_gpu_blocks * self.s.config.block_size
+        )
+        if oversize:
+            prompt_len = capacity + 1
+        else:
+            prompt_len = min(prompt_len, capacity - max_tokens)
+            if prompt_len < 1:
+                return
+        seq = Sequence(
+            self.next_id,
+            [3] * prompt_len,
+            self.s.config.block_size,
+            SamplingParams(max_tokens=max_tokens),
+            arrival_time=float(self.next_id),
+        )
+        self.next_id += 1
+        self.s.add(seq)
+        self.seqs.append(seq)
+
+    @rule(eos=st.booleans())
+    def step(self, eos):
+        self.last = self.s.schedule()
+        tokens = [EOS if eos and i == 0 else TOKEN for i in range(len(self.last.scheduled))]
+        self.s.postprocess(self.last.scheduled, tokens)
+        self.check_step(self.last)
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = [seq for seq in self.seqs if not seq.is_finished]
+        if live:
+            seq = data.draw(st.sampled_from(live))
+            self.s.abort(seq.seq_id)
+
+    def check_step(self, out):
+        config = self.s.config
+        assert out.num_batched_tokens <= config.token_budget, "token budget exceeded"
+        assert len(out.scheduled) <= config.max_num_seqs, "max_num_seqs exceeded"
+        assert len(self.s.running) <= config.max_num_seqs
+        assert not (out.blocks_to_swap_in and out.blocks_to_swap_out), "swap in and out at once"
+        for ignored in out.ignored:
+            assert ignored.seq.num_tokens > min(
+                config.max_model_len, config.num_gpu_blocks * config.block_size
+            ), f"sequence {ignored.seq.seq_id} fits alone but was ignored: {ignored.reason}"
+
+    @invariant()
+    def every_sequence_is_in_one_place(self):
+        if not hasattr(self, "s"):
+            return
+        queues = {
+            SequenceStatus.WAITING: (list(self.s.waiting), None),
+            SequenceStatus.RUNNING: (self.s.running, Device.GPU),
+            SequenceStatus.SWAPPED: (self.s.swapped, Device.CPU),
+        }
+        for seq in self.seqs:
+            places = [st for st, (queue, _) in queues.items() if any(q is seq for q in queue)]
+            if seq.is_finished:
+                assert places == [], f"finished sequence {seq.seq_id} is still queued"
+                assert seq.block_table == [] and self.s.block_manager.device_of(seq) is None, (
+                    f"finished sequence {seq.seq_id} ({seq.status.name}) still holds blocks"
+                )
+            else:
+                assert places == [seq.status], (
+                    f"sequence {seq.seq_id} is {seq.status.name} but queued in {places}"
+                )
+                assert self.s.block_manager.device_of(seq) is queues[seq.status][1]
+        assert self.s.num_unfinished == sum(not seq.is_finished for seq in self.seqs)
+        assert ids(self.s.running) == sorted(ids(self.s.running)), "running is in arrival order"
+
+    @invariant()
+    def block_accounting_holds(self):
+        if not hasattr(self, "s"):
+            return
+        manager = self.s.block_manager
+        for device, allocator, queue in (
+            (Device.GPU, manager.gpu_allocator, self.s.running),
+            (Device.CPU, manager.cpu_allocator, self.s.swapped),
+        ):
+            held = [b for seq in queue for b in seq.block_table]
+            assert len(held) == len(set(held)), f"{device.value}: a block is held twice"
+            assert allocator.num_free_blocks + len(held) == allocator.num_blocks, (
+                f"{device.value}: free + used != total"
+            )
+
+    def teardown(self):
+        if not hasattr(self, "s"):
+            return
+        bound = 20 * sum(seq.num_tokens + seq.sampling_params.max_tokens for seq in self.seqs) + 50
+        for _ in range(bound):
+            if self.s.is_finished():
+                break
+            self.step(eos=False)
+            self.every_sequence_is_in_one_place()
+            self.block_accounting_holds()
+        assert self.s.is_finished(), (
+            f"after {bound} steps {self.s.num_unfinished} sequences have not finished "
+            f"(waiting {ids(self.s.waiting)}, running {ids(self.s.running)}, "
+            f"swapped {ids(self.s.swapped)}): starvation or livelock"
+        )
+
+
+class SwapMachine(SchedulerMachine):
+    MODE = "swap"
+
+
+class ChunkedMachine(SchedulerMachine):
+    CHUNKED = True
+
+
+def test_part3_random_workloads_keep_the_invariants_and_finish():
+    run_state_machine_as_test(SchedulerMachine, settings=STATEFUL)
+
+
+def test_part4_random_workloads_with_swapping_keep_the_invariants_and_finish():
+    run_state_machine_as_test(SwapMachine, settings=STATEFUL)
+
+
+def test_part5_random_workloads_with_chunked_prefill_keep_the_invariants_and_finish():
+    run_state_machine_as_test(ChunkedMachine, settings=STATEFUL)
