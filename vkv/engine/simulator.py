@@ -39,13 +39,17 @@ class CostModel:
     per_token_s: float = 1.0e-4
     per_context_token_s: float = 2.0e-7
 
-    def step_time(self, out: SchedulerOutput) -> float:
-        context = sum(item.seq.num_computed_tokens for item in out.scheduled)
+    def time(self, num_batched_tokens: int, num_context_tokens: int) -> float:
+        """Seconds for a step computing that many tokens over that many cached ones."""
         return (
             self.step_s
-            + self.per_token_s * out.num_batched_tokens
-            + self.per_context_token_s * context
+            + self.per_token_s * num_batched_tokens
+            + self.per_context_token_s * num_context_tokens
         )
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        context = sum(item.seq.num_computed_tokens for item in out.scheduled)
+        return self.time(out.num_batched_tokens, context)
 
 
 @dataclass(slots=True, frozen=True)

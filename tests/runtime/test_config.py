@@ -1,0 +1,60 @@
+"""Config and SamplingParams validation (provided code, not graded)."""
+
+import pytest
+
+from vkv.config import Config, PreemptionMode
+from vkv.sampling_params import SamplingParams
+
+
+def test_defaults_follow_vllm_v0():
+    config = Config()
+    assert config.token_budget == 4096, "max(max_model_len, 2048) without chunked prefill"
+    assert Config(enable_chunked_prefill=True).token_budget == 2048
+    assert config.preemption_mode is PreemptionMode.AUTO
+    assert Config(preemption_mode="swap").preemption_mode is PreemptionMode.SWAP
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"num_gpu_blocks": -1}, "num_gpu_blocks"),
+        ({"num_cpu_blocks": -1}, "num_cpu_blocks"),
+        ({"watermark": 1.5}, "watermark"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"preemption_mode": "later"}, "preemption_mode"),
+        (
+            {"max_num_seqs": 64, "max_num_batched_tokens": 32, "max_model_len": 16},
+            ">= max_num_seqs",
+        ),
+        ({"max_model_len": 8192, "max_num_batched_tokens": 4096}, "chunked prefill"),
+    ],
+)
+def test_bad_options_name_themselves(options, message):
+    with pytest.raises(ValueError, match=message):
+        Config(**options)
+
+
+def test_chunked_prefill_allows_a_budget_below_max_model_len():
+    config = Config(max_model_len=8192, max_num_batched_tokens=512, enable_chunked_prefill=True)
+    assert config.token_budget == 512
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_sampling_params_name_themselves(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)
+
+
+def test_greedy_is_temperature_zero():
+    assert SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams().greedy
