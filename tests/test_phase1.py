@@ -8,7 +8,7 @@ tests of part 1.3 (BlockManager). Expected values are computed here from first p
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -18,6 +18,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from hypothesis_settings import graded_settings
 
 from vkv.engine.block import Block, BlockAllocator, Device, DoubleFreeError, NoFreeBlocksError
 from vkv.engine.block_manager import AllocStatus, BlockManager
@@ -25,15 +26,8 @@ from vkv.engine.evictor import Evictor
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.sampling_params import SamplingParams
 
-FAST = settings(max_examples=60, derandomize=True, deadline=None, database=None)
-STATEFUL = settings(
-    max_examples=40,
-    stateful_step_count=30,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+FAST = graded_settings(max_examples=60)
+STATEFUL = graded_settings(max_examples=40, stateful_step_count=30)
 FINISHED = [s for s in SequenceStatus if s.name.startswith("FINISHED_")]
 
 
@@ -540,6 +534,67 @@ def test_part3_append_into_a_shared_last_block_copies_on_write():
     assert bm.append_slot(child) is None, "the child is the last holder now: no copy"
 
 
+def test_part3_can_append_slot_counts_the_block_a_copy_on_write_needs():
+    bm = BlockManager(block_size=4, num_gpu_blocks=2, watermark=0.0)
+    parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    assert bm.num_free_gpu_blocks == 0
+    parent.append_token(1)  # token 7 fits in the last block, but that block is shared
+    assert not bm.can_append_slot(parent), (
+        "writing into a shared block needs a copy, and no block is free for it"
+    )
+    counts = pool_counts(bm)
+    with pytest.raises(NoFreeBlocksError):
+        bm.append_slot(parent)
+    assert pool_counts(bm) == counts and parent.block_table == child.block_table
+
+
+def test_part3_a_token_past_a_full_shared_block_opens_a_block_without_copying():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 8, 4), make_seq(2, 8, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    shared = list(parent.block_table)
+    parent.append_token(1)  # token 9 opens a third block: nothing shared is written
+    assert bm.append_slot(parent) is None, "no copy: the new token goes into a new block"
+    assert parent.block_table[:2] == shared and len(parent.block_table) == 3
+    assert [bm.gpu_allocator.blocks[b].ref_count for b in shared] == [2, 2]
+
+
+def test_part3_fork_into_a_child_that_holds_blocks_is_rejected():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 5, 4), make_seq(2, 3, 4)
+    bm.allocate(parent)
+    bm.allocate(child)
+    counts, table = pool_counts(bm), list(child.block_table)
+    with pytest.raises(ValueError):
+        bm.fork(parent, child)
+    assert pool_counts(bm) == counts and child.block_table == table
+
+
+def test_part3_a_sequence_of_another_block_size_is_rejected():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    with pytest.raises(ValueError, match="block size"):
+        bm.allocate(make_seq(1, 8, 2))
+    parent = make_seq(2, 4, 4)
+    bm.allocate(parent)
+    with pytest.raises(ValueError, match="block size"):
+        bm.fork(parent, make_seq(3, 4, 2))
+    assert bm.num_free_gpu_blocks == 7
+
+
+def test_part3_slot_mapping_rejects_a_token_that_has_no_slot_yet():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 8, 4)
+    bm.allocate(seq)
+    seq.append_token(1)  # position 8 needs a third block, not given yet
+    with pytest.raises(ValueError):
+        bm.get_slot_mapping(seq, 0, 9)
+    bm.append_slot(seq)
+    assert len(bm.get_slot_mapping(seq, 0, 9)) == 9
+
+
 def test_part3_free_returns_every_block_and_empties_the_table():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
     a, b = make_seq(1, 9, 4), make_seq(2, 4, 4)
@@ -734,6 +789,46 @@ def test_part4_swap_requires_the_group_on_the_source_device():
     assert bm.device_of(seq) is Device.GPU and bm.num_free_cpu_blocks == 8
 
 
+def test_part4_a_cpu_pool_of_exactly_the_groups_distinct_blocks_is_enough():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=3, watermark=0.0)
+    parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    child.append_token(1)
+    bm.append_slot(child)  # tables [a, b] and [a, c]: 4 entries, 3 distinct blocks
+    assert bm.can_swap_out([parent, child]), "3 distinct blocks fit 3 free CPU blocks"
+    assert len(bm.swap_out([parent, child])) == 3
+    assert bm.num_free_cpu_blocks == 0
+
+
+def test_part4_swap_in_exactly_at_the_watermark_is_allowed():
+    bm = BlockManager(block_size=1, num_gpu_blocks=100, num_cpu_blocks=50, watermark=0.1)
+    seq = make_seq(1, 40, 1)
+    bm.allocate(seq)
+    bm.swap_out([seq])
+    bm.allocate(make_seq(2, 50, 1))  # 50 free: 50 - 40 = 10 = the watermark
+    assert bm.can_swap_in([seq]), "exactly watermark_blocks left free after the swap is fine"
+    bm.swap_in([seq])
+    assert bm.num_free_gpu_blocks == 10
+
+
+def test_part4_a_swapped_sequence_has_no_gpu_slots():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 6, 4)
+    bm.allocate(seq)
+    bm.swap_out([seq])
+    seq.append_token(1)
+    for operation in (
+        lambda: bm.get_slot_mapping(seq, 0, 1),
+        lambda: bm.can_append_slot(seq),
+        lambda: bm.append_slot(seq),
+        lambda: bm.fork(seq, make_seq(2, 6, 4)),
+    ):
+        with pytest.raises(ValueError):
+            operation()
+    assert bm.num_free_gpu_blocks == 8 and bm.num_free_cpu_blocks == 6
+
+
 def test_part4_freeing_a_swapped_sequence_releases_its_cpu_blocks():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
     seq = make_seq(1, 10, 4)
@@ -837,7 +932,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         seq = data.draw(st.sampled_from(running))
         seq.append_token(1000 * seq.seq_id + seq.num_tokens)
-        if not self.bm.can_append_slot(seq):
+        opens_block = seq.num_tokens > len(seq.block_table) * self.bs
+        last = seq.block_table[-1]
+        shared = sum(last in other.block_table for other in self.on(Device.GPU)) > 1
+        need = 1 if opens_block or shared else 0
+        expected = need <= self.bm.num_free_gpu_blocks
+        assert self.bm.can_append_slot(seq) is expected, (
+            f"token {seq.num_tokens} of sequence {seq.seq_id}: needs {need} block(s) "
+            f"(new block: {opens_block}, shared last block: {shared}), "
+            f"{self.bm.num_free_gpu_blocks} free, so can_append_slot must be {expected}"
+        )
+        if not expected:
             counts = pool_counts(self.bm)
             with pytest.raises(NoFreeBlocksError):
                 self.bm.append_slot(seq)
@@ -892,7 +997,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not candidates:
             return
         group = self.group_of(data.draw(st.sampled_from(candidates)), src)
-        can = self.bm.can_swap_out(group) if src is Device.GPU else self.bm.can_swap_in(group)
+        need = len({b for s in group for b in s.block_table})
+        if src is Device.GPU:
+            can, expected = self.bm.can_swap_out(group), need <= self.bm.num_free_cpu_blocks
+        else:
+            free, mark = self.bm.num_free_gpu_blocks, self.bm.watermark_blocks
+            can, expected = self.bm.can_swap_in(group), free - need >= mark
+        assert can is expected, (
+            f"moving {need} distinct blocks to the {dst.value}: can_swap must be {expected}"
+        )
         move = self.bm.swap_out if src is Device.GPU else self.bm.swap_in
         if not can:
             counts = pool_counts(self.bm)
@@ -1019,6 +1132,20 @@ def test_part5_removed_block_is_no_longer_evictable():
     assert evictor.evict().block_id == 1, "a removed block must never be evicted"
     with pytest.raises(ValueError):
         evictor.evict()
+
+
+def test_part5_the_eviction_order_survives_many_updates():
+    evictor = Evictor()
+    for block_id in range(3):
+        evictor.add(cached(block_id, float(block_id)))
+    for t in range(3000):
+        evictor.update(t % 3, 10.0 + t)
+    assert len(evictor._heap) <= 100, (
+        f"3 blocks, 3000 updates: the heap holds {len(evictor._heap)} entries; drop the stale "
+        "ones now and then or it grows without bound"
+    )
+    order = [evictor.evict().block_id for _ in range(3)]
+    assert order == [0, 1, 2], f"last updates at t=2997, 2998, 2999 (blocks 0, 1, 2); got {order}"
 
 
 def test_part5_rejects_blocks_that_cannot_be_cached():

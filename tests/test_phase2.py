@@ -6,7 +6,6 @@ per scheduled sequence), ``postprocess(out.scheduled, tokens)``.
 """
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -15,6 +14,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from hypothesis_settings import graded_settings
 
 from vkv.config import Config
 from vkv.engine.block import Device
@@ -25,14 +25,7 @@ from vkv.sampling_params import SamplingParams
 
 TOKEN = 5
 EOS = 2
-STATEFUL = settings(
-    max_examples=40,
-    stateful_step_count=40,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+STATEFUL = graded_settings(max_examples=40, stateful_step_count=30)
 
 
 def make_scheduler(**overrides) -> Scheduler:

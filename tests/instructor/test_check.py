@@ -64,6 +64,7 @@ def make_toy(root: Path, extra_tests: str = "") -> Path:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
     return root
 
 

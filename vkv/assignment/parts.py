@@ -83,6 +83,15 @@ class Assignment:
             found |= frontier
         return found
 
+    def prerequisites(self, part_id: str) -> set[str]:
+        """Parts that ``part_id`` depends on, directly or through other parts."""
+        found: set[str] = set()
+        frontier = set(self.part(part_id).depends_on)
+        while frontier:
+            found |= frontier
+            frontier = {d for p in frontier for d in self.part(p).depends_on} - found
+        return found
+
     def expand(self, selection: str) -> set[str]:
         """Parse ``1.1,1.3`` or a whole phase ``1`` or ``all`` into a set of part ids."""
         chosen: set[str] = set()

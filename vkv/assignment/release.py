@@ -14,9 +14,13 @@ from vkv.assignment.regions import RegionError, find_regions, restore_regions, s
 
 
 def source_files(root: Path, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Files git tracks or would track in ``root`` (not ignored), less ``exclude`` prefixes."""
+    """Files git tracks in ``root`` (committed or added), less ``exclude`` prefixes.
+
+    Untracked files (scratch notes, experiments) never reach the edition: ``git add`` a new file
+    before releasing or checking.
+    """
     listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        ["git", "ls-files", "--cached", "-z"],
         cwd=root,
         capture_output=True,
         text=True,

@@ -48,7 +48,12 @@ def run_tests(tree: Path, files: list[str], timeout: float = 900.0) -> list[Test
             "junit_family=xunit2",
             *files,
         ]
-        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(tree),
+            PYTHONDONTWRITEBYTECODE="1",
+            VKV_HYPOTHESIS_SHRINK="0",  # pass or fail is all a grade needs
+        )
         try:
             done = subprocess.run(
                 command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout

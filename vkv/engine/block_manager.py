@@ -13,7 +13,8 @@ at admission so that running sequences can still grow; without it, admitting a p
 takes the last block would force a preemption at the very next decode step.
 
     can_allocate(seq), with need = seq.num_blocks:
-        NEVER  if num_gpu_blocks - need < watermark_blocks   (cannot fit even in an empty pool)
+        NEVER  if num_gpu_blocks - need < watermark_blocks   (not even an empty pool can keep
+                                                              the watermark free after it)
         OK     if num_free_gpu_blocks - need >= watermark_blocks
         LATER  otherwise                                      (fits once others free blocks)
 
@@ -57,6 +58,14 @@ class AllocStatus(Enum):
 
 class BlockManager:
     """Maps sequences to physical blocks in a GPU pool and a CPU (swap) pool.
+
+    Attributes set by the constructor (the tests and the scheduler use these names):
+    - ``block_size``: tokens per block; every sequence it serves must have the same.
+    - ``watermark_blocks``: ``int(watermark * num_gpu_blocks)``.
+    - ``gpu_allocator``, ``cpu_allocator``: ``BlockAllocator(Device.GPU, num_gpu_blocks)`` and
+      ``BlockAllocator(Device.CPU, num_cpu_blocks)``.
+    - ``swapper``: ``Swapper(gpu_allocator, cpu_allocator, watermark_blocks)`` (part 1.4).
+    - ``_device_of``: sequence id -> the Device holding its blocks, for sequences holding any.
 
     Raises ``ValueError`` for a block size or GPU pool below 1, a negative CPU pool, or a
     watermark outside ``[0, 1)``.
@@ -141,10 +150,12 @@ class BlockManager:
         """Give a sequence that holds no blocks ``seq.num_blocks`` new GPU blocks.
 
         Raises ``ValueError`` if it already holds blocks and ``NoFreeBlocksError`` if the free
-        GPU blocks are too few (the watermark is ``can_allocate``'s business, not this one's).
+        GPU blocks are too few (the watermark is ``can_allocate``'s business, not this one's), or
+        if the sequence's block size is not the manager's.
         """
         ### BEGIN SOLUTION part1.3
         self._require_device(seq, None)
+        self._require_block_size(seq)
         if seq.num_blocks > self.num_free_gpu_blocks:
             raise NoFreeBlocksError(
                 f"sequence {seq.seq_id} needs {seq.num_blocks} GPU blocks, "
@@ -188,11 +199,13 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s GPU blocks (no copy, no new block).
 
-        Raises ``ValueError`` if the parent is not on the GPU or the child already holds blocks.
+        Raises ``ValueError`` if the parent is not on the GPU, the child already holds blocks, or
+        the child's block size is not the manager's.
         """
         ### BEGIN SOLUTION part1.3
         self._require_device(parent, Device.GPU)
         self._require_device(child, None)
+        self._require_block_size(child)
         for block_id in parent.block_table:
             self.gpu_allocator.share(self.gpu_allocator.blocks[block_id])
         child.block_table = list(parent.block_table)
@@ -200,7 +213,7 @@ class BlockManager:
         ### END SOLUTION
 
     def free(self, seq: Sequence) -> None:
-        """Release every block the sequence holds, last block first; empty its table.
+        """Release every block the sequence holds; empty its table.
 
         Raises ``ValueError`` if the sequence holds no blocks (never allocated, or freed twice).
         """
@@ -227,14 +240,16 @@ class BlockManager:
         """The physical slot of each token position in ``[start, end)``.
 
         ``slot = block_table[pos // block_size] * block_size + pos % block_size``. Raises
-        ``ValueError`` unless the sequence is on the GPU and ``0 <= start <= end <= num_tokens``.
+        ``ValueError`` unless the sequence is on the GPU, ``0 <= start <= end <= num_tokens`` and
+        its blocks cover ``end`` (a token appended but not yet given a slot has none).
         """
         ### BEGIN SOLUTION part1.3
         self._require_device(seq, Device.GPU)
-        if not 0 <= start <= end <= seq.num_tokens:
+        covered = min(seq.num_tokens, len(seq.block_table) * self.block_size)
+        if not 0 <= start <= end <= covered:
             raise ValueError(
-                f"slot range [{start}, {end}) is outside sequence {seq.seq_id}'s "
-                f"{seq.num_tokens} tokens"
+                f"slot range [{start}, {end}) is outside the {covered} positions sequence "
+                f"{seq.seq_id} has slots for ({seq.num_tokens} tokens)"
             )
         size = self.block_size
         return [seq.block_table[pos // size] * size + pos % size for pos in range(start, end)]
@@ -302,6 +317,16 @@ class BlockManager:
         where = "no blocks" if actual is None else f"its blocks on the {actual.value}"
         wanted = "no blocks" if device is None else f"its blocks on the {device.value}"
         raise ValueError(f"sequence {seq.seq_id} has {where}; this operation needs {wanted}")
+        ### END SOLUTION
+
+    def _require_block_size(self, seq: Sequence) -> None:
+        """Raise ``ValueError`` unless the sequence's block size is the manager's."""
+        ### BEGIN SOLUTION part1.3
+        if seq.block_size != self.block_size:
+            raise ValueError(
+                f"sequence {seq.seq_id} has block size {seq.block_size}, "
+                f"the block manager {self.block_size}"
+            )
         ### END SOLUTION
 
     def _blocks_to_append(self, seq: Sequence) -> int:

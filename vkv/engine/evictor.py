@@ -23,9 +23,11 @@ Invariants
 - Every held block has ``ref_count == 0`` and a content hash; each block is held at most once.
 - ``len(evictor)`` is the number of held blocks.
 
-The data (provided): ``_blocks`` maps block id to block for the held blocks; ``_heap`` is a heap
-of keys that may hold stale entries (a removed block, an old access time), which ``evict``
-skips. Any structure that keeps the policy is fine; this one makes every operation O(log n).
+The data (provided): ``_blocks`` maps block id to block for the held blocks; ``_keys`` maps block
+id to the key the block is ordered by (recorded by ``add`` and ``update``, so that a block changed
+behind the evictor's back keeps its place); ``_heap`` is a heap of keys that may hold stale
+entries (a removed block, an old access time), which ``evict`` skips. Any structure that keeps
+the policy is fine; this one makes every operation O(log n).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Evictor:
 
     def __init__(self) -> None:
         self._blocks: dict[int, Block] = {}
+        self._keys: dict[int, EvictionKey] = {}
         self._heap: list[EvictionKey] = []
 
     def __len__(self) -> int:
@@ -74,7 +77,9 @@ class Evictor:
     def remove(self, block_id: int) -> Block:
         """Take a held block out (for reuse) and return it."""
         ### BEGIN SOLUTION part1.5
-        return self._blocks.pop(self._held(block_id).block_id)
+        block = self._held(block_id)
+        del self._blocks[block_id], self._keys[block_id]
+        return block
         ### END SOLUTION
 
     def update(self, block_id: int, last_accessed: float) -> None:
@@ -90,10 +95,8 @@ class Evictor:
         ### BEGIN SOLUTION part1.5
         while self._heap:
             key = heapq.heappop(self._heap)
-            block = self._blocks.get(key[2])
-            if block is not None and _key(block) == key:
-                del self._blocks[block.block_id]
-                return block
+            if self._keys.get(key[2]) == key:
+                return self.remove(key[2])
         raise ValueError("evict() on an empty evictor: no cached block to give up")
         ### END SOLUTION
 
@@ -106,11 +109,13 @@ class Evictor:
         ### END SOLUTION
 
     def _push(self, block: Block) -> None:
-        """Push the block's current key; rebuild the heap when stale entries dominate it."""
+        """Record and push the block's current key; rebuild the heap when stale entries dominate."""
         ### BEGIN SOLUTION part1.5
-        heapq.heappush(self._heap, _key(block))
-        if len(self._heap) > 2 * len(self._blocks) + 32:
-            self._heap = [_key(held) for held in self._blocks.values()]
+        key = _key(block)
+        self._keys[block.block_id] = key
+        heapq.heappush(self._heap, key)
+        if len(self._heap) > 2 * len(self._keys) + 32:
+            self._heap = list(self._keys.values())
             heapq.heapify(self._heap)
         ### END SOLUTION
 

@@ -18,6 +18,8 @@ rewritten to the new ids, in place of the old, in the same logical order.
     seq B  [3, 8]    ─────────────────────────▶      seq B  [0, 2]
     GPU 3: ref 2            {3: 0, 5: 1, 8: 2}        CPU 0: ref 2 (moved once)
 
+A swap moves K/V, not the prefix-cache record: the new blocks have no ``content_hash``.
+
 Contract
 - All or nothing: when a swap cannot complete (too few free blocks in the destination, or the
   group is not closed under sharing), it raises and changes nothing.
