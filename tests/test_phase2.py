@@ -140,6 +140,16 @@ def test_part1_prompt_longer_than_max_model_len_is_ignored_with_a_reason():
     assert fine.status is SequenceStatus.RUNNING and s.num_unfinished == 1
 
 
+def test_part1_a_prompt_of_exactly_max_model_len_is_admitted():
+    s = make_scheduler(max_model_len=16)
+    seq = make_seq(s, 0, 16)
+    out = s.schedule()
+    assert ids(out.seqs) == [0] and not out.ignored, (
+        "max_model_len is the longest allowed prompt: 16 tokens of 16 must run"
+    )
+    assert seq.status is SequenceStatus.RUNNING
+
+
 def test_part1_prompt_that_never_fits_the_pool_is_ignored():
     s = make_scheduler(num_gpu_blocks=4, max_model_len=64)
     huge = make_seq(s, 0, 17)  # 5 blocks > 4
@@ -338,6 +348,16 @@ def test_part3_the_newest_running_sequence_is_preempted_by_recompute():
     assert s.num_preemptions == 1 and ids(s.running) == [0]
 
 
+def test_part3_a_preempted_sequence_waits_in_front_of_new_requests():
+    s, _, new = full_pool_of_two()
+    newcomer = make_seq(s, 7, 4)  # no block is free for it: it waits
+    out = s.schedule()
+    assert out.preempted == [new]
+    assert list(s.waiting) == [new, newcomer], (
+        "a preempted sequence goes to the front of waiting: it arrived before the newcomer"
+    )
+
+
 def test_part3_a_sequence_preempts_itself_when_it_is_the_newest():
     s = make_scheduler(num_gpu_blocks=4, preemption_mode="recompute")
     make_seq(s, 0, 8, max_tokens=6)
@@ -532,7 +552,9 @@ def test_part5_the_budget_holds_every_step():
     s = chunked(max_num_seqs=4)
     for i in range(6):
         make_seq(s, i, 11 + 3 * i, max_tokens=5)
-    while not s.is_finished():
+    for _ in range(500):
+        if s.is_finished():
+            break
         out = step(s)
         assert out.num_batched_tokens <= 16, f"step computed {out.num_batched_tokens} > 16 tokens"
         assert len(s.running) <= 4

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     try:
         return args.run(args, console)
-    except (FileNotFoundError, FileExistsError, KeyError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, KeyError, ValueError, RuntimeError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
 

@@ -99,3 +99,24 @@ def test_an_undeclared_dependency_is_caught(tmp_path):
 def test_a_test_outside_any_part_is_caught(tmp_path):
     root = make_toy(tmp_path, "\n\ndef test_part7_orphan():\n    assert double(1) == 2\n")
     assert "every graded test belongs to a part" in failed_checks(root)
+
+
+def test_a_mutant_the_tests_miss_is_reported(tmp_path):
+    root = make_toy(tmp_path)
+    (root / "assignment/mutants.toml").write_text(
+        '[[mutant]]\nfile = "vkv/engine/toy.py"\nwhy = "caught"\n'
+        'find = "return 2 * x"\nreplace = "return 2 - x"\n\n'
+        '[[mutant]]\nfile = "vkv/engine/toy.py"\nwhy = "equivalent"\n'
+        'find = "return 3 * x"\nreplace = "return x + x + x"\n'
+    )
+    manifest = root / "assignment/parts.toml"
+    manifest.write_text(
+        manifest.read_text().replace(
+            "release_exclude = []", 'release_exclude = ["assignment/mutants.toml"]'
+        )
+    )
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    failed = failed_checks(root)
+    assert list(failed) == ["every mutant fails a graded test"]
+    assert "equivalent" in failed["every mutant fails a graded test"]
+    assert "caught" not in failed["every mutant fails a graded test"]

@@ -11,7 +11,9 @@ It builds the student edition in a temporary folder and verifies:
 6. every graded test fails on the edition, with the NotImplementedError of its own part or of
    a part it depends on;
 7. for each part, stubbing that part alone fails all of its tests, and every test of a part
-   that does not depend on it still passes.
+   that does not depend on it still passes;
+8. every mutant of ``assignment/mutants.toml`` (a plausible wrong implementation) fails at least
+   one graded test: the tests are strong enough to catch it.
 """
 
 import ast
@@ -20,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import tomllib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,8 +34,10 @@ from rich.table import Table
 from vkv.assignment.parts import Assignment
 from vkv.assignment.regions import find_regions
 from vkv.assignment.release import copy_tree, release, source_files, stub_tree
-from vkv.assignment.testrun import TestResult, run_tests
+from vkv.assignment.testrun import TestResult, TestRunError, run_tests
 
+MUTANTS = Path("assignment") / "mutants.toml"
+RUN_TIMEOUT_S = 300.0
 STUB_ERROR = re.compile(r"NotImplementedError: part (?P<part>\d+\.\d+):")
 
 
@@ -41,6 +46,23 @@ class Finding:
     check: str
     ok: bool
     detail: str
+
+
+@dataclass(slots=True, frozen=True)
+class Mutant:
+    """A wrong implementation: ``find`` replaced by ``replace`` in ``file``."""
+
+    file: str
+    why: str
+    find: str
+    replace: str
+
+
+def load_mutants(root: Path) -> list[Mutant]:
+    path = root / MUTANTS
+    if not path.is_file():
+        return []
+    return [Mutant(**entry) for entry in tomllib.loads(path.read_text()).get("mutant", [])]
 
 
 def check(root: Path, console: Console) -> list[Finding]:
@@ -55,6 +77,14 @@ def check(root: Path, console: Console) -> list[Finding]:
             trees[part] = Path(scratch) / f"stub-{part}"
             copy_tree(root, trees[part], files)
             stub_tree(trees[part], assignment, {part})
+        mutants = load_mutants(root)
+        misplaced = []
+        for index, mutant in enumerate(mutants):
+            tree = Path(scratch) / f"mutant-{index}"
+            copy_tree(root, tree, files)
+            if not _apply(mutant, tree):
+                misplaced.append(f"mutant {index} ({mutant.why}): find text not found exactly once")
+            trees[f"mutant {index}"] = tree
         findings += _no_reference_code(root, trees["edition"], assignment)
         findings.append(_imports(trees["edition"]))
         findings.append(_same_signatures(trees["reference"], trees["edition"]))
@@ -78,8 +108,41 @@ def check(root: Path, console: Console) -> list[Finding]:
         for part in assignment.part_ids:
             affected = assignment.dependents(part) | {part}
             findings.append(_part_isolated(part, affected, on_reference, results[part]))
+        survivors = [
+            f"mutant {index} ({mutant.why})"
+            for index, mutant in enumerate(mutants)
+            if results[f"mutant {index}"] is not None  # a run that hangs has caught the mutant
+            and all(r.outcome == "passed" for r in results[f"mutant {index}"])
+        ]
+        findings.append(
+            Finding(
+                "every mutant fails a graded test",
+                not survivors and not misplaced,
+                _summary(misplaced + survivors)
+                if survivors or misplaced
+                else f"{len(mutants)} caught",
+            )
+        )
     _print(findings, console)
     return findings
+
+
+def _run(tree: Path, files: list[str]) -> list[TestResult] | None:
+    """The tree's test results, or None when the run crashed or timed out."""
+    try:
+        return run_tests(tree, files, timeout=RUN_TIMEOUT_S)
+    except TestRunError:
+        return None
+
+
+def _apply(mutant: Mutant, tree: Path) -> bool:
+    """Apply the mutant to ``tree``; False if its ``find`` text is not there exactly once."""
+    file = tree / mutant.file
+    text = file.read_text()
+    if text.count(mutant.find) != 1:
+        return False
+    file.write_text(text.replace(mutant.find, mutant.replace))
+    return True
 
 
 def _no_reference_code(root: Path, edition: Path, assignment: Assignment) -> list[Finding]:

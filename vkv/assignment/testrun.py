@@ -1,6 +1,7 @@
 """Run graded tests of a tree in a child process and read back one result per test."""
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -9,6 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vkv.assignment.parts import part_of_test
+
+
+class TestRunError(RuntimeError):
+    """pytest crashed or timed out before writing its report."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,10 +34,11 @@ class TestResult:
         return f"{self.file}::{self.name}"
 
 
-def run_tests(tree: Path, files: list[str], timeout: float = 900.0) -> list[TestResult]:
+def run_tests(tree: Path, files: list[str], timeout: float = 600.0) -> list[TestResult]:
     """Run pytest on ``files`` of ``tree``, importing ``vkv`` from ``tree``; one result per test.
 
-    Raises ``RuntimeError`` when pytest produced no report (it crashed or timed out).
+    Raises ``TestRunError`` when pytest produced no report (it crashed or ran past ``timeout``
+    seconds; the whole process group is killed then).
     """
     with tempfile.TemporaryDirectory(prefix="vkv-junit-") as scratch:
         report = Path(scratch) / "junit.xml"
@@ -54,14 +60,23 @@ def run_tests(tree: Path, files: list[str], timeout: float = 900.0) -> list[Test
             PYTHONDONTWRITEBYTECODE="1",
             VKV_HYPOTHESIS_SHRINK="0",  # pass or fail is all a grade needs
         )
+        process = subprocess.Popen(
+            command,
+            cwd=tree,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
-            done = subprocess.run(
-                command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout
-            )
+            output, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"pytest in {tree} ran past {timeout:.0f} s") from exc
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise TestRunError(f"pytest in {tree} ran past {timeout:.0f} s") from exc
         if not report.is_file():
-            raise RuntimeError(f"pytest in {tree} wrote no report:\n{done.stdout[-2000:]}")
+            raise TestRunError(f"pytest in {tree} wrote no report:\n{output[-2000:]}")
         return _parse_junit(report)
 
 

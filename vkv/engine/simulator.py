@@ -116,12 +116,16 @@ def simulate(
     requests: list[Request],
     cost_model: CostModel | None = None,
     on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
+    max_steps: int | None = None,
 ) -> SimulationResult:
     """Serve ``requests`` (sorted by arrival) to the end; return what every step did.
 
     ``on_step`` is called after each step's postprocess (tests check invariants there).
-    Raises ``RuntimeError`` if the scheduler stops making progress with work left.
+    Raises ``RuntimeError`` if the scheduler stops making progress with work left, or runs
+    more than ``max_steps`` steps (default: 4 steps per token the requests hold, plus 1,000).
     """
+    if max_steps is None:
+        max_steps = 4 * sum(r.prompt_len + r.output_len for r in requests) + 1000
     cost_model = cost_model or CostModel()
     scheduler = Scheduler(config)
     pending = make_sequences(requests, config.block_size)
@@ -143,6 +147,8 @@ def simulate(
                 )
             clock = max(clock, pending[next_arrival].arrival_time)
             continue
+        if len(result.steps) == max_steps:
+            raise RuntimeError(f"the simulation ran past {max_steps} steps without finishing")
         clock += cost_model.step_time(out)
         result.steps.append(_record(clock, scheduler, out))
         result.finished += scheduler.postprocess(
