@@ -1,6 +1,8 @@
 """The ``vkv`` command.
 
-    vkv grade [PATH] [--format table|json]      score the graded tests of a tree, per part
+    vkv grade [PATH] [--trusted TREE] [--isolate] [--hidden DIR]
+              [--format table|json|gradescope|markdown] [--output FILE]
+                                                score a submission, per part
     vkv assignment release OUT                  write the student edition into OUT
     vkv assignment solve DIR --parts 1.1,1.2    put reference code for those parts into DIR
     vkv assignment check                        prove the assignment sound (see check.py)
@@ -29,13 +31,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _grade(args: argparse.Namespace, console: Console) -> int:
-    from vkv.assignment.grade import as_json, grade, print_table
+    from vkv.assignment import report
+    from vkv.assignment.grade import grade
 
-    scores = grade(Path(args.path).resolve())
-    if args.format == "json":
-        print(as_json(scores))
+    result = grade(
+        Path(args.path).resolve(),
+        Path(args.trusted).resolve() if args.trusted else None,
+        hidden=Path(args.hidden).resolve() if args.hidden else None,
+        reference=_reference_root(args) if args.isolate else None,
+        timeout=args.timeout,
+        parts=Assignment.load(Path(args.trusted or args.path)).expand(args.parts)
+        if args.parts
+        else None,
+    )
+    if args.format == "table":
+        report.print_table(result, console)
+        return 0
+    render = {"json": report.as_json, "gradescope": report.as_gradescope}
+    text = render.get(args.format, report.as_markdown)(result)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text if text.endswith("\n") else text + "\n")
     else:
-        print_table(scores, console)
+        print(text)
     return 0
 
 
@@ -80,9 +98,24 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vkv", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    grade = commands.add_parser("grade", help="score the graded tests of a tree, per part")
-    grade.add_argument("path", nargs="?", default=".", help="the tree to grade (default: .)")
-    grade.add_argument("--format", choices=["table", "json"], default="table")
+    grade = commands.add_parser("grade", help="score a submission, per part")
+    grade.add_argument("path", nargs="?", default=".", help="the submission (default: .)")
+    grade.add_argument(
+        "--trusted", help="the tree whose tests and files are trusted (default: PATH itself)"
+    )
+    grade.add_argument(
+        "--isolate",
+        action="store_true",
+        help="also grade each part with the reference's code for every other part",
+    )
+    grade.add_argument("--hidden", help="a folder of hidden tests to add")
+    grade.add_argument("--parts", help="grade only these parts: 1.1,1.2 or a phase: 1")
+    grade.add_argument("--timeout", type=float, default=300.0, help="seconds per part")
+    grade.add_argument(
+        "--format", choices=["table", "json", "gradescope", "markdown"], default="table"
+    )
+    grade.add_argument("--output", help="write the json / gradescope / markdown form here")
+    grade.add_argument("--root", help="the reference tree for --isolate (default: this package's)")
     grade.set_defaults(run=_grade)
 
     assignment = commands.add_parser("assignment", help="instructor tooling")

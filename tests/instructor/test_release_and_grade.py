@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vkv.assignment.grade import as_json, grade
+from vkv.assignment.grade import grade
+from vkv.assignment.report import as_json
 from vkv.assignment.parts import Assignment
 from vkv.assignment.regions import find_regions
 from vkv.assignment.release import release, solve
@@ -49,13 +50,14 @@ def test_release_refuses_a_folder_that_is_not_empty(edition):
 def test_grade_scores_zero_on_the_edition_and_per_part_after_solve(tmp_path):
     out = tmp_path / "student"
     release(ROOT, out, commit=False)
-    assert all(score.score == 0 for score in grade(out)), "the stubs earn no points"
+    assert all(score.score == 0 for score in grade(out).parts), "the stubs earn no points"
     solve(ROOT, out, {"1.1", "1.2"})
-    scores = {s.part.id: s for s in grade(out)}
+    result = grade(out)
+    scores = {s.part.id: s for s in result.parts}
     assert scores["1.1"].score == scores["1.1"].part.points
     assert scores["1.2"].score == scores["1.2"].part.points
     assert scores["1.5"].status == "failed" and 0 <= scores["1.5"].score < scores["1.5"].part.points
-    document = json.loads(as_json(list(scores.values())))
+    document = json.loads(as_json(result))
     assert document["max_score"] == sum(p.points for p in ASSIGNMENT.parts)
     assert document["score"] == pytest.approx(sum(s.score for s in scores.values()))
 

@@ -1,87 +1,367 @@
-"""``vkv grade``: run the graded tests of a tree and score each part from ``parts.toml``.
+"""``vkv grade``: score a submission part by part, without trusting it.
 
-Scoring: a part's score is its points times the share of its tests that passed (partial
-credit). A part with no test results (the test file failed to import, for example) scores 0.
+The submission is never run as it is. The grader copies a *trusted* tree (the course's
+student edition, or this repository: tests, configuration, everything but the student's code),
+overlays only the files students are meant to edit (``editable`` in ``parts.toml``), and runs
+the trusted tests on it:
+
+- one pytest process per part, in parallel, each with a timeout after which its whole process
+  group is killed; plugin autoloading off, the grader's own pytest configuration, no conftest,
+  no cache, no bytecode written;
+- results come from the grader's plugin (``reporter.py``), which also detects a submission that
+  patches pytest; the test ids are collected beforehand from the trusted tree, and a test that
+  never reported (the process exited or crashed early) counts as failed;
+- a file the submission changed outside ``editable`` is reported as "not graded: protected file
+  modified" and ignored.
+
+Scoring: a part's score is its points times the share of its tests that pass. With
+``isolate``, each part is graded again with the submission's code for that part only and the
+reference's code for every other part (the solution regions make the transplant exact), so that
+a bug in one part costs that part alone. Hidden tests (an instructor-only folder, ``--hidden``)
+count like the others and are reported apart.
+
+Run without ``--trusted``, the tree grades itself: a student's progress meter, not a grade.
 """
 
+import hashlib
 import json
-from dataclasses import dataclass
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from vkv.assignment.parts import GRADED_TEST_FILE, Assignment, Part, part_of_test
+from vkv.assignment.regions import RegionError, restore_regions
 
-from vkv.assignment.parts import Assignment, Part
-from vkv.assignment.testrun import TestResult, run_tests
+SKIPPED_NAMES = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
+HIDDEN_DIR = Path("tests") / "hidden"
+GRADER_INI = "[pytest]\naddopts =\npython_files = test_*.py\n"
 
 
 @dataclass(slots=True, frozen=True)
-class PartScore:
+class TestOutcome:
+    """One test's result: ``passed``, ``failed``, ``timeout`` or ``missing`` (never reported)."""
+
+    nodeid: str
+    outcome: str
+    message: str = ""
+
+    @property
+    def part(self) -> str | None:
+        file, _, name = self.nodeid.partition("::")
+        return part_of_test(Path(file).name, name)
+
+    @property
+    def hidden(self) -> bool:
+        return self.nodeid.startswith(HIDDEN_DIR.as_posix() + "/")
+
+
+@dataclass(slots=True, frozen=True)
+class PartResult:
+    """A part's tests and score; ``status`` is passed, failed, timeout or error."""
+
     part: Part
-    results: tuple[TestResult, ...]
+    tests: tuple[TestOutcome, ...]
+    status: str
+    detail: str = ""
 
     @property
     def passed(self) -> int:
-        return sum(result.outcome == "passed" for result in self.results)
+        return sum(test.outcome == "passed" for test in self.tests)
 
     @property
     def total(self) -> int:
-        return len(self.results)
+        return len(self.tests)
 
     @property
     def score(self) -> float:
-        return 0.0 if self.total == 0 else round(self.part.points * self.passed / self.total, 2)
+        return round(self.part.points * self.passed / self.total, 2) if self.total else 0.0
+
+
+@dataclass(slots=True)
+class GradeReport:
+    parts: list[PartResult]
+    protected_modified: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)  # graded file -> sha256
+    isolated: list[PartResult] | None = None
+    execution_time: float = 0.0
 
     @property
-    def status(self) -> str:
-        if self.total == 0:
-            return "error"
-        return "passed" if self.passed == self.total else "failed"
+    def score(self) -> float:
+        return round(sum(p.score for p in self.parts), 2)
+
+    @property
+    def max_score(self) -> float:
+        return sum(p.part.points for p in self.parts)
 
 
-def grade(root: Path) -> list[PartScore]:
-    """Score every part of the assignment tree at ``root``."""
-    assignment = Assignment.load(root)
-    results = run_tests(root, assignment.test_files)
+def grade(
+    submission: Path,
+    trusted: Path | None = None,
+    *,
+    hidden: Path | None = None,
+    reference: Path | None = None,
+    timeout: float = 300.0,
+    parts: set[str] | None = None,
+) -> GradeReport:
+    """Grade ``submission`` against the tests of ``trusted`` (default: itself).
+
+    With ``reference``, also grade each part in isolation (see the module docstring). With
+    ``parts``, grade only those parts (and only their phases' test files).
+    """
+    started = time.monotonic()
+    trusted = trusted or submission
+    assignment = Assignment.load(trusted)
+    if parts is not None:
+        assignment = assignment.restricted_to(parts)
+    with tempfile.TemporaryDirectory(prefix="vkv-grade-") as scratch:
+        base = Path(scratch) / "base"
+        copy_clean(trusted, base)
+        if hidden is not None:
+            copy_clean(hidden, base / HIDDEN_DIR)
+        phases = {str(part.phase) for part in assignment.parts}
+        test_files = assignment.test_files + sorted(
+            path.relative_to(base).as_posix()
+            for path in (base / HIDDEN_DIR).glob("test_phase*.py")
+            if (match := GRADED_TEST_FILE.match(path.name)) and match["phase"] in phases
+        )
+        ids_by_part = _collect(base, test_files, Path(scratch), assignment)
+
+        work = Path(scratch) / "work"
+        copy_clean(base, work)
+        files = {}
+        for path in assignment.editable:
+            source = submission / path
+            if source.is_file():
+                shutil.copyfile(source, work / path)
+                files[path] = hashlib.sha256(source.read_bytes()).hexdigest()
+        trees = {part: work for part in ids_by_part}
+        if reference is not None:
+            for part in ids_by_part:
+                trees[f"isolated {part}"] = _isolated_tree(
+                    part, base, reference, submission, assignment, Path(scratch)
+                )
+        runs = _run_all(trees, ids_by_part, Path(scratch), timeout)
+    results = {
+        name: PartResult(
+            assignment.part(name.removeprefix("isolated ")), tuple(tests), status, detail
+        )
+        for name, (tests, status, detail) in runs.items()
+    }
+    report = GradeReport(
+        parts=[results[part.id] for part in assignment.parts],
+        protected_modified=protected_changes(submission, trusted, assignment),
+        files=files,
+        isolated=[results[f"isolated {p.id}"] for p in assignment.parts] if reference else None,
+    )
+    report.execution_time = round(time.monotonic() - started, 2)
+    return report
+
+
+def protected_changes(submission: Path, trusted: Path, assignment: Assignment) -> list[str]:
+    """Files of the submission, outside ``editable``, that are new or differ from ``trusted``."""
+    if submission.resolve() == trusted.resolve():
+        return []
+    ours = tree_files(trusted)
+    changed = []
+    for path, file in tree_files(submission).items():
+        if path in assignment.editable:
+            continue
+        original = ours.get(path)
+        if original is None or original.read_bytes() != file.read_bytes():
+            changed.append(path)
+    return changed
+
+
+def tree_files(root: Path) -> dict[str, Path]:
+    """Every file under ``root`` by relative path, less version control, caches and venvs."""
+    found = {}
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_NAMES)
+        for name in names:
+            if not name.endswith(".pyc"):
+                path = Path(directory) / name
+                found[path.relative_to(root).as_posix()] = path
+    return found
+
+
+def copy_clean(source: Path, target: Path) -> None:
+    for path, file in tree_files(source).items():
+        (target / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file, target / path)
+
+
+def _isolated_tree(
+    part: str,
+    base: Path,
+    reference: Path,
+    submission: Path,
+    assignment: Assignment,
+    scratch: Path,
+) -> Path | RegionError:
+    """The reference's code with the submission's regions of ``part`` transplanted in."""
+    tree = scratch / f"isolated-{part}"
+    copy_clean(base, tree)
+    for path in assignment.editable:
+        ours = (reference / path).read_text()
+        theirs = submission / path
+        try:
+            text = (
+                restore_regions(ours, theirs.read_text(), {part}, path)
+                if theirs.is_file()
+                else ours
+            )
+        except RegionError as exc:
+            return exc
+        (tree / path).write_text(text)
+    return tree
+
+
+def _pytest(files_or_ids: list[str], ini: Path, *extra: str) -> list[str]:
     return [
-        PartScore(part, tuple(r for r in results if r.part == part.id)) for part in assignment.parts
+        sys.executable,
+        "-m",
+        "pytest",
+        "-c",
+        str(ini),
+        "--rootdir",
+        ".",
+        "--noconftest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        *extra,
+        *files_or_ids,
     ]
 
 
-def as_json(scores: list[PartScore]) -> str:
-    document = {
-        "score": round(sum(s.score for s in scores), 2),
-        "max_score": sum(s.part.points for s in scores),
-        "parts": [
-            {
-                "id": s.part.id,
-                "title": s.part.title,
-                "status": s.status,
-                "score": s.score,
-                "max_score": s.part.points,
-                "passed": s.passed,
-                "total": s.total,
-                "failed_tests": [r.nodeid for r in s.results if r.outcome != "passed"],
-            }
-            for s in scores
-        ],
+def _environment(tree: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "VKV_"))}
+    return env | {
+        "PYTHONPATH": str(tree),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "VKV_HYPOTHESIS_SHRINK": "0",
+        **extra,
     }
-    return json.dumps(document, indent=2)
 
 
-def print_table(scores: list[PartScore], console: Console) -> None:
-    table = Table(title="vkv grade")
-    for column in ("part", "title", "tests passed", "status", "score"):
-        table.add_column(column, justify="right" if column in ("tests passed", "score") else "left")
-    for s in scores:
-        color = {"passed": "green", "failed": "red", "error": "red"}[s.status]
-        table.add_row(
-            s.part.id,
-            s.part.title,
-            f"{s.passed}/{s.total}",
-            f"[{color}]{s.status}[/{color}]",
-            f"{s.score:g}/{s.part.points:g}",
-        )
-    total = sum(s.score for s in scores)
-    table.add_row("", "total", "", "", f"[bold]{total:g}/{sum(s.part.points for s in scores):g}")
-    console.print(table)
+def _ini(scratch: Path) -> Path:
+    ini = scratch / "grader.ini"
+    ini.write_text(GRADER_INI)
+    return ini
+
+
+def _collect(
+    base: Path, files: list[str], scratch: Path, assignment: Assignment
+) -> dict[str, list[str]]:
+    """The graded test ids of the trusted tree, by part (collection imports trusted code only)."""
+    done = subprocess.run(
+        _pytest(files, _ini(scratch), "--collect-only"),
+        cwd=base,
+        env=_environment(base),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    ids = [line.strip() for line in done.stdout.splitlines() if "::" in line]
+    if done.returncode != 0 or not ids:
+        raise RuntimeError(f"collecting the trusted tests failed:\n{done.stdout[-2000:]}")
+    by_part: dict[str, list[str]] = {part: [] for part in assignment.part_ids}
+    for nodeid in ids:
+        outcome = TestOutcome(nodeid, "missing")
+        if outcome.part in by_part:
+            by_part[outcome.part].append(nodeid)
+    return by_part
+
+
+RunResult = tuple[list[TestOutcome], str, str]
+
+
+def _run_all(
+    trees: dict[str, Path | RegionError],
+    ids_by_part: dict[str, list[str]],
+    scratch: Path,
+    timeout: float,
+) -> dict[str, RunResult]:
+    """Run every tree's part in parallel: outcomes, status and detail by tree name."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {
+            name: pool.submit(
+                _run_part,
+                tree,
+                ids_by_part[name.removeprefix("isolated ")],
+                scratch / f"report-{name.replace(' ', '-')}.jsonl",
+                timeout,
+            )
+            for name, tree in trees.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _run_part(tree: Path | RegionError, ids: list[str], report: Path, timeout: float) -> RunResult:
+    """Run the tests ``ids`` in ``tree``: outcomes, status and a detail for the report."""
+    if isinstance(tree, RegionError):
+        return [TestOutcome(i, "failed", str(tree)) for i in ids], "error", str(tree)
+    if not ids:
+        return [], "error", "no tests"
+    ini = report.with_suffix(".ini")
+    ini.write_text(GRADER_INI)
+    process = subprocess.Popen(
+        _pytest(ids, ini, "-p", "vkv.assignment.reporter"),
+        cwd=tree,
+        env=_environment(tree, VKV_GRADE_REPORT=str(report)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    timed_out = False
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        process.wait()
+        timed_out = True
+    return _read_report(report, ids, timed_out, timeout)
+
+
+def _read_report(report: Path, ids: list[str], timed_out: bool, timeout: float) -> RunResult:
+    """Each test's outcome from the reporter's lines; unreported tests count as failed."""
+    phases: dict[str, list[dict]] = {}
+    finished, tampered = False, None
+    lines = report.read_text().splitlines() if report.is_file() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("event") == "finished":
+            finished, tampered = True, record.get("tampered")
+        elif record.get("nodeid") in ids:
+            phases.setdefault(record["nodeid"], []).append(record)
+    unreported = "timeout" if timed_out else "missing"
+    outcomes = []
+    for nodeid in ids:
+        records = phases.get(nodeid, [])
+        failed = [r for r in records if r.get("outcome") == "failed"]
+        called = any(r.get("when") == "call" and r.get("outcome") == "passed" for r in records)
+        if tampered or failed:
+            message = f"pytest was tampered with: {tampered}" if tampered else failed[0]["message"]
+            outcomes.append(TestOutcome(nodeid, "failed", message))
+        elif called:
+            outcomes.append(TestOutcome(nodeid, "passed"))
+        else:
+            outcomes.append(TestOutcome(nodeid, unreported, "never reported"))
+    if timed_out:
+        return outcomes, "timeout", f"killed after {timeout:.0f} s"
+    if tampered:
+        return outcomes, "error", f"pytest was tampered with ({tampered})"
+    if not finished:
+        return outcomes, "error", "the test process ended before the session finished"
+    passed = all(o.outcome == "passed" for o in outcomes)
+    return outcomes, "passed" if passed else "failed", ""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 MANIFEST = Path("assignment") / "parts.toml"
 GRADED_TEST_NAME = re.compile(r"^test_part(?P<number>\d+)_")
-GRADED_TEST_FILE = re.compile(r"^test_phase(?P<phase>\d+)\.py$")
+GRADED_TEST_FILE = re.compile(r"^test_phase(?P<phase>\d+)(_\w+)?\.py$")
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,6 +57,13 @@ class Assignment:
             tuple(settings.get("editable", [])),
             tuple(settings.get("release_exclude", [])),
         )
+
+    def restricted_to(self, part_ids: set[str]) -> "Assignment":
+        """The same assignment with only the given parts (``KeyError`` for an unknown one)."""
+        for part_id in part_ids:
+            self.part(part_id)
+        kept = tuple(part for part in self.parts if part.id in part_ids)
+        return Assignment(self.root, kept, self.editable, self.release_exclude)
 
     def part(self, part_id: str) -> Part:
         for part in self.parts:

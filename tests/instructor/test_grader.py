@@ -1,0 +1,271 @@
+"""``vkv grade`` against submissions that try to cheat, and its output formats.
+
+Each cheat starts from an honest submission (Part 1.1 solved, Part 1.2 not) and must score no
+more than it. Only parts 1.1 and 1.2 are graded, to keep each grade to a few seconds.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from vkv.assignment import comment, report
+from vkv.assignment.grade import copy_clean, grade
+from vkv.assignment.release import release, solve
+
+ROOT = Path(__file__).resolve().parents[2]
+PARTS = {"1.1", "1.2"}
+SCHEMA = json.loads((Path(__file__).parent / "gradescope_schema.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def edition(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("edition") / "edition"
+    release(ROOT, out, commit=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def honest_score(edition, tmp_path_factory) -> float:
+    submission = honest(edition, tmp_path_factory.mktemp("honest"))
+    return grade(submission, edition, parts=PARTS).score
+
+
+def honest(edition: Path, where: Path) -> Path:
+    submission = where / "submission"
+    copy_clean(edition, submission)
+    solve(ROOT, submission, {"1.1"})
+    return submission
+
+
+def cheat_score(edition: Path, where: Path, cheat) -> tuple[float, object]:
+    submission = honest(edition, where)
+    cheat(submission)
+    result = grade(submission, edition, parts=PARTS, timeout=30)
+    return result.score, result
+
+
+def prepend(path: Path, code: str) -> None:
+    path.write_text(code + "\n" + path.read_text())
+
+
+def test_honest_submission_scores_part_1_1_only(honest_score):
+    assert honest_score == 10
+
+
+def test_modified_test_file_is_ignored_and_reported(edition, tmp_path, honest_score):
+    def cheat(sub: Path) -> None:
+        tests = sub / "tests/test_phase1.py"
+        tests.write_text(tests.read_text().replace("assert ", "assert True or "))
+
+    score, result = cheat_score(edition, tmp_path, cheat)
+    assert score <= honest_score
+    assert "tests/test_phase1.py" in result.protected_modified
+
+
+def test_added_conftest_is_ignored(edition, tmp_path, honest_score):
+    def cheat(sub: Path) -> None:
+        (sub / "tests/conftest.py").write_text(
+            "import pytest\n\n"
+            "@pytest.hookimpl(hookwrapper=True)\n"
+            "def pytest_runtest_makereport(item, call):\n"
+            "    outcome = yield\n"
+            "    outcome.get_result().outcome = 'passed'\n"
+        )
+
+    score, result = cheat_score(edition, tmp_path, cheat)
+    assert score <= honest_score and "tests/conftest.py" in result.protected_modified
+
+
+def test_pytest11_entry_point_is_ignored(edition, tmp_path, honest_score):
+    def cheat(sub: Path) -> None:
+        pyproject = sub / "pyproject.toml"
+        pyproject.write_text(
+            pyproject.read_text() + '\n[project.entry-points.pytest11]\ncheat = "vkv.cheat"\n'
+        )
+        (sub / "vkv/cheat.py").write_text(
+            "def pytest_runtest_logreport(report):\n    report.outcome = 'passed'\n"
+        )
+
+    score, result = cheat_score(edition, tmp_path, cheat)
+    assert score <= honest_score
+    assert {"pyproject.toml", "vkv/cheat.py"} <= set(result.protected_modified)
+
+
+def test_os_exit_at_import_of_a_graded_module_scores_nothing(edition, tmp_path, honest_score):
+    score, result = cheat_score(
+        edition,
+        tmp_path,
+        lambda sub: prepend(sub / "vkv/engine/block.py", "import os\nos._exit(0)"),
+    )
+    assert score <= honest_score and score == 0
+    assert {p.status for p in result.parts} == {"error"}
+
+
+def test_sys_exit_inside_a_graded_function_fails_that_test(edition, tmp_path, honest_score):
+    def cheat(sub: Path) -> None:
+        block = sub / "vkv/engine/block.py"
+        block.write_text(
+            block.read_text().replace(
+                'raise NotImplementedError("part 1.2: BlockAllocator.allocate',
+                'import sys; sys.exit(0)  # ("part 1.2: BlockAllocator.allocate',
+                1,
+            )
+        )
+
+    score, _ = cheat_score(edition, tmp_path, cheat)
+    assert score <= honest_score
+
+
+def test_infinite_loop_times_out(edition, tmp_path, honest_score):
+    def cheat(sub: Path) -> None:
+        block = sub / "vkv/engine/block.py"
+        block.write_text(
+            block.read_text().replace(
+                'raise NotImplementedError("part 1.2: BlockAllocator.__init__',
+                'while True: pass  # ("part 1.2: BlockAllocator.__init__',
+                1,
+            )
+        )
+
+    score, result = cheat_score(edition, tmp_path, cheat)
+    assert score <= honest_score
+    assert result.parts[1].status == "timeout"
+
+
+def test_fake_results_files_are_ignored(edition, tmp_path, honest_score):
+    fake = (
+        "import json, os, pathlib\n"
+        "for name in ('results.json', 'junit.xml', 'report.jsonl'):\n"
+        "    pathlib.Path(name).write_text(json.dumps({'score': 1000}))\n"
+        "path = os.environ.get('VKV_GRADE_REPORT')\n"
+        "if path:\n"
+        "    open(path, 'a').write(json.dumps({'event': 'finished', 'tampered': None}) + '\\n')\n"
+    )
+    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", fake))
+    assert score <= honest_score
+
+
+def test_monkeypatching_pytest_from_a_graded_module_is_detected(edition, tmp_path, honest_score):
+    patch = "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n"
+    score, result = cheat_score(
+        edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch)
+    )
+    assert score <= honest_score and score == 0
+    assert all("tampered" in p.detail for p in result.parts)
+
+
+def test_stub_edition_scores_zero_and_reference_full_marks_three_times(edition):
+    assert grade(edition, edition, parts=PARTS).score == 0
+    full = [grade(ROOT, edition, parts=PARTS) for _ in range(3)]
+    assert [r.score for r in full] == [30, 30, 30]
+
+
+def test_a_bug_in_part_1_2_costs_only_part_1_2_when_isolated(edition, tmp_path):
+    submission = tmp_path / "submission"
+    copy_clean(edition, submission)
+    solve(ROOT, submission, {"1.1", "1.2", "1.3"})
+    block = submission / "vkv/engine/block.py"
+    block.write_text(
+        block.read_text().replace(
+            "block.ref_count += 1\n        ### END", "block.ref_count += 2\n        ### END"
+        )
+    )
+    parts = {"1.2", "1.3"}
+    result = grade(submission, edition, reference=ROOT, parts=parts)
+    plain = {p.part.id: p for p in result.parts}
+    alone = {p.part.id: p for p in result.isolated}
+    assert plain["1.2"].score < 20 and alone["1.2"].score < 20
+    assert alone["1.3"].score == 30, "with the reference's 1.2, part 1.3 is whole"
+
+
+def test_gradescope_output_validates_against_the_schema(edition, tmp_path):
+    submission = honest(edition, tmp_path)
+    result = grade(submission, edition, parts=PARTS, hidden=ROOT / "tests/hidden")
+    document = json.loads(report.as_gradescope(result))
+    jsonschema.validate(document, SCHEMA)
+    numbers = {(t["number"], t["visibility"]) for t in document["tests"]}
+    assert ("1.1", "visible") in numbers and ("1.1", "after_due_date") in numbers
+    assert document["score"] == pytest.approx(sum(t["score"] for t in document["tests"]))
+
+
+def test_markdown_comment_renders_a_sample_result():
+    document = {
+        "schema": "vkv-grade/1",
+        "score": 999,
+        "max_score": 30,
+        "parts": [
+            {
+                "id": "1.1",
+                "title": "Sequence | <b>x</b>",
+                "status": "passed",
+                "score": 10,
+                "max_score": 10,
+                "passed": 27,
+                "total": 27,
+            },
+            {
+                "id": "1.2",
+                "title": "Block",
+                "status": "failed",
+                "score": 55,
+                "max_score": 20,
+                "passed": 3,
+                "total": 14,
+            },
+        ],
+        "protected_modified": ["tests/test_phase1.py"],
+        "files": {"vkv/engine/block.py": "a" * 64},
+    }
+    text = comment.as_markdown(comment.validate(document))
+    assert text.startswith(comment.MARKER)
+    assert "autograde: 30 / 30 (advisory)" in text, "scores are clamped to their maximum"
+    assert "| 1.2 | Block | 3/14 | failed | 20 / 20 |" in text
+    assert "<b>" not in text and "Sequence _ _b_x_/b_" in text
+    assert "- tests/test_phase1.py" in text and "advisory" in text
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {},
+        {"schema": "vkv-grade/1", "parts": []},
+        {"schema": "vkv-grade/1", "parts": [{"id": "x", "status": "passed"}]},
+        {
+            "schema": "vkv-grade/1",
+            "parts": [
+                {
+                    "id": "1.1",
+                    "status": "hacked",
+                    "score": 1,
+                    "max_score": 1,
+                    "passed": 1,
+                    "total": 1,
+                }
+            ],
+        },
+        {
+            "schema": "vkv-grade/1",
+            "parts": [
+                {
+                    "id": "1.1",
+                    "status": "passed",
+                    "score": 1,
+                    "max_score": 1,
+                    "passed": 5,
+                    "total": 1,
+                }
+            ],
+        },
+    ],
+)
+def test_comment_rejects_a_malformed_document(broken):
+    with pytest.raises(ValueError):
+        comment.validate(broken)
+
+
+def test_hidden_tests_are_left_out_of_the_edition(edition):
+    assert not (edition / "tests/hidden").exists()
+    assert shutil.which("git") is not None
