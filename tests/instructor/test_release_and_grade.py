@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from vkv.assignment.grade import grade
-from vkv.assignment.report import as_json
 from vkv.assignment.parts import Assignment
 from vkv.assignment.regions import find_regions
 from vkv.assignment.release import release, solve
+from vkv.assignment.report import as_json
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSIGNMENT = Assignment.load(ROOT)
