@@ -31,6 +31,8 @@ def test_edition_stubs_every_region_and_leaves_out_instructor_files(edition):
         assert not (edition / excluded).exists(), f"{excluded} is instructor-only"
     for needed in ("README.md", "pyproject.toml", "uv.lock", "assignment/phase1.md"):
         assert (edition / needed).is_file(), f"the edition is a complete project: {needed}"
+    workflows = sorted(p.name for p in (edition / ".github/workflows").glob("*.yml"))
+    assert workflows == ["autograde-comment.yml", "autograde.yml"], workflows
 
 
 def test_edition_is_a_fresh_repository_with_one_commit(edition):

@@ -137,7 +137,7 @@ def grade(
         files = {}
         for path in assignment.editable:
             source = submission / path
-            if source.is_file():
+            if source.is_file() and not source.is_symlink():
                 shutil.copyfile(source, work / path)
                 files[path] = hashlib.sha256(source.read_bytes()).hexdigest()
         trees = {part: work for part in ids_by_part}
@@ -179,13 +179,14 @@ def protected_changes(submission: Path, trusted: Path, assignment: Assignment) -
 
 
 def tree_files(root: Path) -> dict[str, Path]:
-    """Every file under ``root`` by relative path, less version control, caches and venvs."""
+    """Every file under ``root`` by relative path, less version control, caches, venvs and
+    symbolic links (a submitted link could point anywhere)."""
     found = {}
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_NAMES)
         for name in names:
-            if not name.endswith(".pyc"):
-                path = Path(directory) / name
+            path = Path(directory) / name
+            if not name.endswith(".pyc") and not path.is_symlink():
                 found[path.relative_to(root).as_posix()] = path
     return found
 

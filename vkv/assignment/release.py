@@ -1,7 +1,8 @@
 """The student edition (``vkv assignment release``) and reference hand-outs (``solve``).
 
 The edition is this repository's tracked files, less the instructor-only paths of
-``parts.toml``, with every solution region stubbed, committed as the single commit of a new
+``parts.toml``, with every solution region stubbed and the auto-grading workflows of
+``assignment/workflows/`` in ``.github/workflows/``, committed as the single commit of a new
 git repository: no reference code in its files, nor in its history.
 """
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 from vkv.assignment.parts import Assignment
 from vkv.assignment.regions import RegionError, find_regions, restore_regions, stub_regions
+
+WORKFLOWS = Path("assignment") / "workflows"
 
 
 def source_files(root: Path, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -70,6 +73,11 @@ def release(root: Path, out: Path, *, commit: bool = True) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     copy_tree(root, out, files)
     stub_tree(out, assignment, set(assignment.part_ids))
+    for workflow in sorted((root / WORKFLOWS).glob("*.yml")):
+        target = out / ".github" / "workflows" / workflow.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(workflow, target)
+        files.append(target.relative_to(out).as_posix())
     if commit:
         _commit_single(out)
     return files

@@ -1,0 +1,43 @@
+"""The GitHub workflows: actionlint-clean, actions pinned by commit, least privilege."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOWS = sorted((ROOT / ".github/workflows").glob("*.yml")) + sorted(
+    (ROOT / "assignment/workflows").glob("*.yml")
+)
+USES = re.compile(r"^\s*(?:-\s*)?uses:\s*(\S+)", re.MULTILINE)
+
+
+def test_actionlint_passes_on_every_workflow():
+    done = subprocess.run(
+        ["actionlint", *map(str, WORKFLOWS)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.name)
+def test_actions_are_pinned_by_commit_and_permissions_are_explicit(workflow):
+    text = workflow.read_text()
+    for action in USES.findall(text):
+        assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", action), f"{action} is not pinned"
+    assert "\npermissions:" in text, "every workflow states its token's permissions"
+
+
+def test_the_privileged_workflow_never_touches_pull_request_code():
+    text = (ROOT / "assignment/workflows/autograde-comment.yml").read_text()
+    assert "workflow_run:" in text and "pull-requests: write" in text
+    assert "head_sha }}" not in text and "head.sha }}" not in text, "no checkout of the PR head"
+    assert "uv run" not in text and "pip install" not in text, "nothing installed or run from it"
+
+
+def test_the_grading_workflow_is_unprivileged_and_uses_only_base_code():
+    text = (ROOT / "assignment/workflows/autograde.yml").read_text()
+    assert "pull_request:" in text and "pull_request_target" not in text
+    assert "contents: read" in text and "write" not in text
+    assert "ref: ${{ github.event.pull_request.base.sha }}" in text
+    assert "--trusted ." in text
