@@ -63,7 +63,8 @@ def stub_tree(tree: Path, assignment: Assignment, parts: set[str]) -> None:
 def release(root: Path, out: Path, *, commit: bool = True) -> list[str]:
     """Write the student edition of the reference tree ``root`` into the new folder ``out``.
 
-    Returns the files written. Raises ``FileExistsError`` if ``out`` exists and is not empty.
+    Returns the files copied from ``root`` (the workflows come on top). Raises
+    ``FileExistsError`` if ``out`` exists and is not empty.
     """
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
@@ -77,7 +78,6 @@ def release(root: Path, out: Path, *, commit: bool = True) -> list[str]:
         target = out / ".github" / "workflows" / workflow.name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(workflow, target)
-        files.append(target.relative_to(out).as_posix())
     if commit:
         _commit_single(out)
     return files
