@@ -43,7 +43,7 @@ def honest(edition: Path, where: Path) -> Path:
 def cheat_score(edition: Path, where: Path, cheat) -> tuple[float, object]:
     submission = honest(edition, where)
     cheat(submission)
-    result = grade(submission, edition, parts=PARTS, timeout=30)
+    result = grade(submission, edition, parts=PARTS, timeout=15)
     return result.score, result
 
 
@@ -104,32 +104,25 @@ def test_os_exit_at_import_of_a_graded_module_scores_nothing(edition, tmp_path, 
     assert {p.status for p in result.parts} == {"error"}
 
 
-def test_sys_exit_inside_a_graded_function_fails_that_test(edition, tmp_path, honest_score):
+def replace_stub(qualname: str, code: str):
+    """A cheat that puts ``code`` in place of the stub of ``BlockAllocator.<qualname>``."""
+
     def cheat(sub: Path) -> None:
         block = sub / "vkv/engine/block.py"
-        block.write_text(
-            block.read_text().replace(
-                'raise NotImplementedError("part 1.2: BlockAllocator.allocate',
-                'import sys; sys.exit(0)  # ("part 1.2: BlockAllocator.allocate',
-                1,
-            )
-        )
+        stub = f'raise NotImplementedError("part 1.2: BlockAllocator.{qualname}'
+        block.write_text(block.read_text().replace(stub, f"{code}  # {stub}", 1))
 
+    return cheat
+
+
+def test_sys_exit_inside_a_graded_function_fails_that_test(edition, tmp_path, honest_score):
+    cheat = replace_stub("allocate", "import sys; sys.exit(0)")
     score, _ = cheat_score(edition, tmp_path, cheat)
     assert score <= honest_score
 
 
 def test_infinite_loop_times_out(edition, tmp_path, honest_score):
-    def cheat(sub: Path) -> None:
-        block = sub / "vkv/engine/block.py"
-        block.write_text(
-            block.read_text().replace(
-                'raise NotImplementedError("part 1.2: BlockAllocator.__init__',
-                'while True: pass  # ("part 1.2: BlockAllocator.__init__',
-                1,
-            )
-        )
-
+    cheat = replace_stub("__init__", "while True: pass")
     score, result = cheat_score(edition, tmp_path, cheat)
     assert score <= honest_score
     assert result.parts[1].status == "timeout"
