@@ -6,6 +6,7 @@ more than it. Only parts 1.1 and 1.2 are graded, to keep each grade to a few sec
 
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 import jsonschema
@@ -150,6 +151,96 @@ def test_monkeypatching_pytest_from_a_graded_module_is_detected(edition, tmp_pat
     assert all("tampered" in p.detail for p in result.parts)
 
 
+def test_patching_the_graders_reporter_is_detected(edition, tmp_path, honest_score):
+    patch = (
+        "import sys\n"
+        "r = sys.modules.get('vkv.assignment.reporter')\n"
+        "if r:\n"
+        "    w = r.Reporter.write\n"
+        "    r.Reporter.write = lambda self, rec: w(self, dict(rec, outcome='passed'))\n"
+    )
+    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch))
+    assert score <= honest_score
+
+
+def test_patching_hypothesis_is_detected(edition, tmp_path, honest_score):
+    patch = (
+        "import hypothesis.core as hc\n"
+        "hc.StateForActualGivenExecution.run_engine = "
+        "lambda self: setattr(self, 'ever_executed', True)\n"
+    )
+    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch))
+    assert score <= honest_score
+
+
+def test_patching_a_hook_instance_is_detected(edition, tmp_path, honest_score):
+    patch = (
+        "import gc\n"
+        "import _pytest.config\n"
+        "class P:\n"
+        "    def __init__(s, h): s.h = h\n"
+        "    def __getattr__(s, n): return getattr(s.h, n)\n"
+        "    def __call__(s, session, **kw):\n"
+        "        for it in session.items: it.runtest = lambda: None\n"
+        "        return s.h(session=session, **kw)\n"
+        "for o in gc.get_objects():\n"
+        "    if isinstance(o, _pytest.config.Config):\n"
+        "        o.hook.pytest_collection_finish = P(o.hook.pytest_collection_finish)\n"
+    )
+    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch))
+    assert score <= honest_score
+
+
+def test_a_symlinked_folder_is_not_followed(edition, tmp_path, honest_score):
+    def cheat(sub: Path) -> None:
+        shutil.rmtree(sub / "vkv/engine")
+        (sub / "vkv/engine").symlink_to(ROOT / "vkv/engine", target_is_directory=True)
+
+    score, result = cheat_score(edition, tmp_path, cheat)
+    assert score <= honest_score
+    assert "vkv/engine (symbolic link)" in result.protected_modified
+
+
+def test_writing_to_the_trusted_tree_voids_the_grade(edition, tmp_path_factory):
+    trusted = tmp_path_factory.mktemp("trusted") / "edition"
+    copy_clean(edition, trusted)
+    submission = honest(trusted, tmp_path_factory.mktemp("poison"))
+    target = trusted / "tests/hypothesis_settings.py"
+    prepend(submission / "vkv/engine/block.py", f"open({str(target)!r}, 'a').write('# x')")
+    with pytest.raises(RuntimeError, match="trusted tree"):
+        grade(submission, trusted, parts=PARTS, timeout=15)
+
+
+def test_garbage_in_the_report_does_not_crash_the_grader(edition, tmp_path, honest_score):
+    garbage = (
+        "env = open('/proc/self/environ', 'rb').read().split(b'\\0')\n"
+        "path = [e.split(b'=', 1)[1] for e in env if e.startswith(b'VKV_GRADE_REPORT=')]\n"
+        "if path:\n"
+        "    open(path[0], 'ab').write(b'1\\n\\xff\\n[]\\n{\"nodeid\": 3}\\n')\n"
+    )
+    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", garbage))
+    assert score <= honest_score
+
+
+@pytest.mark.xfail(strict=True, reason="in-process forgery of the report: only a sandbox stops it")
+def test_forging_the_report_from_inside_the_test_process(edition, tmp_path, honest_score):
+    forge = (
+        "import json, os, sys\n"
+        "env = open('/proc/self/environ', 'rb').read().split(b'\\0')\n"
+        "path = [e.split(b'=', 1)[1] for e in env if e.startswith(b'VKV_GRADE_REPORT=')]\n"
+        "if path:\n"
+        "    with open(path[0], 'w') as f:\n"
+        "        for a in sys.argv:\n"
+        "            if '::' in a:\n"
+        "                f.write(json.dumps({'nodeid': a, 'when': 'call', 'outcome': 'passed',"
+        " 'message': ''}) + '\\n')\n"
+        "        f.write(json.dumps({'event': 'finished', 'tampered': None}) + '\\n')\n"
+        "    os._exit(0)\n"
+    )
+    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", forge))
+    assert score <= honest_score
+
+
 def test_stub_edition_scores_zero_and_reference_full_marks_three_times(edition):
     assert grade(edition, edition, parts=PARTS).score == 0
     full = [grade(ROOT, edition, parts=PARTS) for _ in range(3)]
@@ -184,40 +275,62 @@ def test_gradescope_output_validates_against_the_schema(edition, tmp_path):
     assert document["score"] == pytest.approx(sum(t["score"] for t in document["tests"]))
 
 
-def test_markdown_comment_renders_a_sample_result():
-    document = {
-        "schema": "vkv-grade/1",
-        "score": 999,
-        "max_score": 30,
-        "parts": [
-            {
-                "id": "1.1",
-                "title": "Sequence | <b>x</b>",
-                "status": "passed",
-                "score": 10,
-                "max_score": 10,
-                "passed": 27,
-                "total": 27,
-            },
-            {
-                "id": "1.2",
-                "title": "Block",
-                "status": "failed",
-                "score": 55,
-                "max_score": 20,
-                "passed": 3,
-                "total": 14,
-            },
-        ],
-        "protected_modified": ["tests/test_phase1.py"],
-        "files": {"vkv/engine/block.py": "a" * 64},
-    }
-    text = comment.as_markdown(comment.validate(document))
+TRUSTED_PARTS = {"1.1": ("Sequence", 10.0), "1.2": ("Block", 20.0)}
+SAMPLE = {
+    "schema": "vkv-grade/1",
+    "score": 999,
+    "max_score": 999,
+    "parts": [
+        {
+            "id": "1.1",
+            "title": "[click](https://evil.example)",
+            "status": "passed",
+            "score": 999,
+            "max_score": 999,
+            "passed": 27,
+            "total": 27,
+        },
+        {
+            "id": "1.2",
+            "title": "Block",
+            "status": "failed",
+            "score": 55,
+            "max_score": 20,
+            "passed": 3,
+            "total": 14,
+        },
+    ],
+    "protected_modified": ["tests/test_phase1.py", "https://evil.example/__x__`<b>`"],
+    "files": {"vkv/engine/block.py": "a" * 64},
+}
+
+
+def test_markdown_comment_takes_titles_and_points_from_the_trusted_manifest():
+    text = comment.as_markdown(comment.validate(SAMPLE, TRUSTED_PARTS))
     assert text.startswith(comment.MARKER)
-    assert "autograde: 30 / 30 (advisory)" in text, "scores are clamped to their maximum"
-    assert "| 1.2 | Block | 3/14 | failed | 20 / 20 |" in text
-    assert "<b>" not in text and "Sequence _ _b_x_/b_" in text
-    assert "- tests/test_phase1.py" in text and "advisory" in text
+    assert "autograde: 14.29 / 30 (advisory)" in text, "scores recomputed from test counts"
+    assert "| 1.1 | Sequence | 27/27 | passed | 10 / 10 |" in text
+    assert "| 1.2 | Block | 3/14 | failed | 4.29 / 20 |" in text
+    assert "evil.example)" not in text and "<b>" not in text and "`<" not in text
+    assert "- `https_//evil.example/__x____b__`" in text, "paths are code, not links"
+
+
+def test_comment_reads_a_zip_artifact_member_by_member(tmp_path):
+    artifact = tmp_path / "grade.zip"
+    with zipfile.ZipFile(artifact, "w") as archive:
+        archive.writestr("grade.json", json.dumps(SAMPLE))
+        archive.writestr("pr_number", "17\n")
+        archive.writestr("../../escape.txt", "never extracted")
+    manifest = tmp_path / "parts.toml"
+    manifest.write_text(
+        '[[part]]\nid = "1.1"\ntitle = "Sequence"\npoints = 10\n'
+        '[[part]]\nid = "1.2"\ntitle = "Block"\npoints = 20\n'
+    )
+    number = tmp_path / "pr_number"
+    assert (
+        comment.main([str(artifact), "--parts", str(manifest), "--pr-number-out", str(number)]) == 0
+    )
+    assert number.read_text() == "17" and not (tmp_path.parent / "escape.txt").exists()
 
 
 @pytest.mark.parametrize(
@@ -228,35 +341,22 @@ def test_markdown_comment_renders_a_sample_result():
         {"schema": "vkv-grade/1", "parts": [{"id": "x", "status": "passed"}]},
         {
             "schema": "vkv-grade/1",
-            "parts": [
-                {
-                    "id": "1.1",
-                    "status": "hacked",
-                    "score": 1,
-                    "max_score": 1,
-                    "passed": 1,
-                    "total": 1,
-                }
-            ],
+            "parts": [{"id": "1.1", "status": "hacked", "passed": 1, "total": 1}],
         },
         {
             "schema": "vkv-grade/1",
-            "parts": [
-                {
-                    "id": "1.1",
-                    "status": "passed",
-                    "score": 1,
-                    "max_score": 1,
-                    "passed": 5,
-                    "total": 1,
-                }
-            ],
+            "parts": [{"id": "1.1", "status": "passed", "passed": 5, "total": 1}],
+        },
+        {
+            "schema": "vkv-grade/1",
+            "parts": [{"id": "1.1", "status": "passed", "passed": 1, "total": 1}],
+            "files": {"a": "not a digest"},
         },
     ],
 )
 def test_comment_rejects_a_malformed_document(broken):
     with pytest.raises(ValueError):
-        comment.validate(broken)
+        comment.validate(broken, TRUSTED_PARTS)
 
 
 def test_hidden_tests_are_left_out_of_the_edition(edition):

@@ -41,6 +41,7 @@ from vkv.assignment.regions import RegionError, restore_regions
 SKIPPED_NAMES = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
 HIDDEN_DIR = Path("tests") / "hidden"
 GRADER_INI = "[pytest]\naddopts =\npython_files = test_*.py\n"
+MAX_REPORT_BYTES = 64 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,7 +120,8 @@ def grade(
     assignment = Assignment.load(trusted)
     if parts is not None:
         assignment = assignment.restricted_to(parts)
-    with tempfile.TemporaryDirectory(prefix="vkv-grade-") as scratch:
+    trusted_before = tree_digest(trusted)
+    with tempfile.TemporaryDirectory(prefix="vkv-grade-", ignore_cleanup_errors=True) as scratch:
         base = Path(scratch) / "base"
         copy_clean(trusted, base)
         if hidden is not None:
@@ -136,8 +138,8 @@ def grade(
         copy_clean(base, work)
         files = {}
         for path in assignment.editable:
-            source = submission / path
-            if source.is_file() and not source.is_symlink():
+            source = submitted_file(submission, path)
+            if source is not None:
                 shutil.copyfile(source, work / path)
                 files[path] = hashlib.sha256(source.read_bytes()).hexdigest()
         trees = {part: work for part in ids_by_part}
@@ -147,6 +149,11 @@ def grade(
                     part, base, reference, submission, assignment, Path(scratch)
                 )
         runs = _run_all(trees, ids_by_part, Path(scratch), timeout)
+    if tree_digest(trusted) != trusted_before:
+        raise RuntimeError(
+            f"the trusted tree {trusted} changed while grading (a submission wrote to it): "
+            "this grade is void; restore the tree before grading anything else"
+        )
     results = {
         name: PartResult(
             assignment.part(name.removeprefix("isolated ")), tuple(tests), status, detail
@@ -163,12 +170,21 @@ def grade(
     return report
 
 
+def submitted_file(submission: Path, path: str) -> Path | None:
+    """The submission's file at ``path``, or None if it is missing or reached through a link."""
+    file = submission / path
+    if not file.is_file() or file.resolve() != submission.resolve() / path:
+        return None
+    return file
+
+
 def protected_changes(submission: Path, trusted: Path, assignment: Assignment) -> list[str]:
-    """Files of the submission, outside ``editable``, that are new or differ from ``trusted``."""
+    """Files of the submission, outside ``editable``, that are new or differ from ``trusted``,
+    and every symbolic link in it (never followed)."""
     if submission.resolve() == trusted.resolve():
         return []
     ours = tree_files(trusted)
-    changed = []
+    changed = [f"{link} (symbolic link)" for link in symbolic_links(submission)]
     for path, file in tree_files(submission).items():
         if path in assignment.editable:
             continue
@@ -189,6 +205,26 @@ def tree_files(root: Path) -> dict[str, Path]:
             if not name.endswith(".pyc") and not path.is_symlink():
                 found[path.relative_to(root).as_posix()] = path
     return found
+
+
+def symbolic_links(root: Path) -> list[str]:
+    """Every symbolic link under ``root`` (to a file or a folder), by relative path."""
+    links = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in SKIPPED_NAMES]
+        for name in subdirs + names:
+            path = Path(directory) / name
+            if path.is_symlink():
+                links.append(path.relative_to(root).as_posix())
+    return sorted(links)
+
+
+def tree_digest(root: Path) -> str:
+    """A digest of every file's path and content under ``root`` (caches and venvs left out)."""
+    digest = hashlib.sha256()
+    for path, file in sorted(tree_files(root).items()):
+        digest.update(path.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def copy_clean(source: Path, target: Path) -> None:
@@ -331,19 +367,33 @@ def _run_part(tree: Path | RegionError, ids: list[str], report: Path, timeout: f
     return _read_report(report, ids, timed_out, timeout)
 
 
+def _records(report: Path) -> list[dict]:
+    """The report's JSON objects; anything else (a bad line, a huge file) is skipped."""
+    if not report.is_file() or report.is_symlink():
+        return []
+    with report.open("rb") as file:
+        data = file.read(MAX_REPORT_BYTES)
+    records = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 def _read_report(report: Path, ids: list[str], timed_out: bool, timeout: float) -> RunResult:
     """Each test's outcome from the reporter's lines; unreported tests count as failed."""
     phases: dict[str, list[dict]] = {}
     finished, tampered = False, None
-    lines = report.read_text().splitlines() if report.is_file() else []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    wanted = set(ids)
+    for record in _records(report):
         if record.get("event") == "finished":
             finished, tampered = True, record.get("tampered")
-        elif record.get("nodeid") in ids:
+            break
+        if record.get("nodeid") in wanted and isinstance(record.get("message", ""), str):
             phases.setdefault(record["nodeid"], []).append(record)
     unreported = "timeout" if timed_out else "missing"
     outcomes = []
@@ -352,7 +402,11 @@ def _read_report(report: Path, ids: list[str], timed_out: bool, timeout: float) 
         failed = [r for r in records if r.get("outcome") == "failed"]
         called = any(r.get("when") == "call" and r.get("outcome") == "passed" for r in records)
         if tampered or failed:
-            message = f"pytest was tampered with: {tampered}" if tampered else failed[0]["message"]
+            message = (
+                f"pytest was tampered with: {tampered}"
+                if tampered
+                else failed[0].get("message", "")
+            )
             outcomes.append(TestOutcome(nodeid, "failed", message))
         elif called:
             outcomes.append(TestOutcome(nodeid, "passed"))

@@ -51,7 +51,8 @@ def as_json(report: GradeReport) -> str:
 
 
 def as_markdown(report: GradeReport) -> str:
-    return comment.as_markdown(comment.validate(as_dict(report)))
+    parts = {r.part.id: (r.part.title, r.part.points) for r in report.parts}
+    return comment.as_markdown(comment.validate(as_dict(report), parts))
 
 
 def as_gradescope(report: GradeReport) -> str:

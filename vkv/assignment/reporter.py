@@ -18,6 +18,8 @@ forge anything that process writes. Run untrusted code in a container for an aut
 """
 
 import builtins
+import contextlib
+import importlib
 import json
 import os
 import sys
@@ -25,6 +27,12 @@ import sys
 import pytest
 
 GUARDED_MODULES = (
+    "vkv.assignment.reporter",
+    "json",
+    "json.encoder",
+    "hypothesis.core",
+    "hypothesis.stateful",
+    "hypothesis.internal.conjecture.engine",
     "_pytest.runner",
     "_pytest.python",
     "_pytest.reports",
@@ -56,6 +64,8 @@ def _snapshot(config: pytest.Config) -> dict[str, object]:
                         key = f"{name}.{attr}.{member}"
                         state[key] = (inner, getattr(inner, "__code__", None))
     state["plugins"] = tuple(name for name, _ in config.pluginmanager.list_name_plugin())
+    for name, caller in vars(config.hook).items():
+        state[f"config.hook.{name}"] = caller
     return state
 
 
@@ -95,6 +105,11 @@ class Reporter:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.verify()
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        if self.tampered is None and "runtest" in vars(item):
+            self.tampered = f"{item.nodeid}: runtest replaced on the item"
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.verify()
         record = {
@@ -120,6 +135,9 @@ def _same(a: object, b: object) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    for name in GUARDED_MODULES:  # loaded now, so that the baseline holds them
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     path = os.environ.pop("VKV_GRADE_REPORT", None)
     if path is not None:
         config.pluginmanager.register(Reporter(config, path), "vkv-grade-reporter")
