@@ -38,6 +38,6 @@ def test_the_privileged_workflow_never_touches_pull_request_code():
 def test_the_grading_workflow_is_unprivileged_and_uses_only_base_code():
     text = (ROOT / "assignment/workflows/autograde.yml").read_text()
     assert "pull_request:" in text and "pull_request_target" not in text
-    assert "contents: read" in text and "write" not in text
+    assert "contents: read" in text and ": write" not in text
     assert "ref: ${{ github.event.pull_request.base.sha }}" in text
     assert "--trusted ." in text
