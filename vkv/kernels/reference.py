@@ -1,0 +1,60 @@
+"""Plain-PyTorch paged KV-cache operations: the definitions the Triton kernels must match.
+
+Layout (vLLM's and nano-vLLM's): each layer's cache is a pair of tensors
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Token slot ``s`` lives in block
+``s // block_size`` at offset ``s % block_size``. A sequence's ``block_table`` lists its physical
+blocks in logical order, padded with -1 to the batch's widest table.
+"""
+
+import torch
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their slots.
+
+    A slot of -1 (padding) is skipped.
+    """
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache[slots // block_size, slots % block_size] = key[keep].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = value[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` cached tokens of one sequence: ``[num_tokens, kv_heads, dim]``."""
+    block_size = cache.shape[1]
+    positions = torch.arange(num_tokens, device=cache.device)
+    blocks = block_table[positions // block_size].long()
+    return cache[blocks, positions % block_size]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per sequence attends to all of its cached tokens (its own included).
+
+    ``query``: ``[batch, num_heads, head_dim]``; ``context_lens[i]``: tokens cached for sequence
+    i, the new one included. Query head h reads KV head ``h // (num_heads // num_kv_heads)``
+    (grouped-query attention). Returns ``[batch, num_heads, head_dim]`` in the query's dtype.
+    """
+    out = torch.empty_like(query)
+    group = query.shape[1] // k_cache.shape[2]
+    for i in range(query.shape[0]):
+        n = int(context_lens[i])
+        keys = gather_kv(k_cache, block_tables[i], n).float().repeat_interleave(group, dim=1)
+        values = gather_kv(v_cache, block_tables[i], n).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[i].float(), keys) * scale
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values).to(query.dtype)
+    return out
