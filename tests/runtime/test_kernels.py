@@ -101,3 +101,51 @@ def test_paged_decode_rejects_heads_that_do_not_group():
             torch.ones(1, dtype=torch.int32),
             1.0,
         )
+
+
+def dense_prefill(query_rows, keys, values, group, scale, num_new):
+    """Causal attention of the last ``num_new`` positions over all of them, no cache."""
+    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    context = keys.shape[0]
+    positions = torch.arange(context - num_new, context)
+    allowed = torch.arange(context)[None, :] <= positions[:, None]
+    q = query_rows.float().transpose(0, 1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, scale=scale
+    ).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2)], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("block_size", [1, 16, 12])
+def test_paged_prefill_matches_reference_and_dense(dtype, num_heads, num_kv_heads, block_size):
+    lengths, new = [1, 37, 20], [1, 21, 20]  # a one-token prompt, a chunk after context, a prompt
+    head_dim, scale = 32, 32**-0.5
+    k_cache, v_cache, tables, dense = build_cache(
+        lengths, num_kv_heads, head_dim, block_size, dtype
+    )
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(sum(new), num_heads, head_dim, generator=generator).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    context = torch.tensor(lengths, dtype=torch.int32)
+    group = num_heads // num_kv_heads
+    expected = torch.cat(
+        [
+            dense_prefill(query[cu[i] : cu[i + 1]], keys, values, group, scale, new[i])
+            for i, (keys, values) in enumerate(dense)
+        ]
+    )
+    ours = reference.paged_prefill_attention(query, k_cache, v_cache, cu, tables, context, scale)
+    torch.testing.assert_close(ours.float(), expected, atol=TOLERANCE[dtype], rtol=0)
+    kernel = triton_attention.paged_prefill_attention(
+        query.to(DEVICE),
+        k_cache.to(DEVICE),
+        v_cache.to(DEVICE),
+        cu.to(DEVICE),
+        tables.to(DEVICE),
+        context.to(DEVICE),
+        scale,
+        block_n=32,
+    )
+    torch.testing.assert_close(kernel.cpu().float(), expected, atol=TOLERANCE[dtype], rtol=0)

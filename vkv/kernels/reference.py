@@ -58,3 +58,33 @@ def paged_decode_attention(
         scores = torch.einsum("hd,nhd->hn", query[i].float(), keys) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values).to(query.dtype)
     return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """New tokens attend causally to themselves and to the context already cached.
+
+    ``query``: ``[total_new_tokens, num_heads, head_dim]``; sequence i's new tokens are rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]``, the last ``n_i`` of its ``context_lens[i]`` cached
+    tokens (their K/V already stored). New token j sits at position ``context_lens[i] - n_i + j``
+    and attends to every position up to its own. Returns ``[total_new_tokens, heads, head_dim]``.
+    """
+    out = torch.empty_like(query)
+    group = query.shape[1] // k_cache.shape[2]
+    for i in range(len(context_lens)):
+        start, end, context = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(context_lens[i])
+        keys = gather_kv(k_cache, block_tables[i], context).float().repeat_interleave(group, dim=1)
+        values = gather_kv(v_cache, block_tables[i], context).float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,nhd->hqn", query[start:end].float(), keys) * scale
+        positions = torch.arange(context - (end - start), context, device=query.device)
+        future = torch.arange(context, device=query.device)[None, :] > positions[:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        out[start:end] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), values).to(query.dtype)
+    return out

@@ -1,6 +1,9 @@
 """Triton kernels for the paged KV cache, with the signatures of ``reference.py``.
 
 - ``store_kvcache``: one program per token writes its K and V rows into their slots.
+- ``paged_prefill_attention``: one program per (sequence, query head, tile of ``BLOCK_M`` new
+  tokens) walks the cached context through the block table with an online softmax, masking the
+  positions after each token (causal); the context before the new tokens is visible to all.
 - ``paged_decode_attention``: flash-decoding in two stages. Stage 1 runs one program per
   (sequence, KV head, split of the context): the query heads that share the KV head (GQA) are
   packed into the rows of one ``tl.dot`` (padded to 16, the GPU's minimum), KV tokens are
@@ -277,5 +280,136 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cu_seqlens_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    num_new = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    context = tl.load(context_lens_ptr + seq)
+    kv_head = head // GROUP
+
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < num_new
+    dim_mask = dims < HEAD_DIM
+    q_positions = context - num_new + rows
+    q = tl.load(
+        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    last_visible = tl.minimum(context, context - num_new + (q_tile + 1) * BLOCK_M)
+    kv_end = tl.where(q_tile * BLOCK_M < num_new, last_visible, 0)
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for tile in range(0, kv_end, BLOCK_N):
+        positions = tile + tl.arange(0, BLOCK_N)
+        pos_mask = positions < kv_end
+        blocks = tl.load(
+            block_tables_ptr + seq * stride_table + positions // BLOCK_SIZE, mask=pos_mask, other=0
+        )
+        rows_at = (
+            blocks.to(tl.int64) * stride_cache_block
+            + (positions % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = pos_mask[None, :] & (positions[None, :] <= q_positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        correction = tl.exp(running_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(probs, 1)
+        v = tl.load(v_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        running_max = new_max
+
+    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    block_m: int = 16,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """See ``reference.paged_prefill_attention``."""
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if query.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("query and caches must be contiguous in head_dim, caches alike")
+    num_seqs = len(context_lens)
+    longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    block_m = max(MIN_DOT, block_m)
+    out = torch.empty_like(query)
+    _prefill_kernel[(num_seqs, num_heads, triton.cdiv(longest, block_m))](
+        query,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_tables,
+        context_lens,
+        out,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=max(MIN_DOT, block_n),
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     return out
