@@ -1,0 +1,1 @@
+"""Decoder models whose attention reads and writes the paged KV cache."""

@@ -1,0 +1,198 @@
+"""A decoder of the Qwen3 / Llama family over a paged KV cache.
+
+RMSNorm, rotary position embeddings, grouped-query attention with optional per-head q/k norm
+(Qwen3), SwiGLU MLP, tied or untied embeddings. Parameter names are Hugging Face's, so a
+checkpoint's state dict loads as it is. The model sees the batch as one flat run of tokens
+(``input_ids``, ``positions``); ``AttentionMetadata`` says which sequence each token belongs to,
+where its K/V go (``slot_mapping``) and which cached blocks each sequence reads. The attention
+``backend`` is a module with ``store_kvcache``, ``paged_prefill_attention`` and
+``paged_decode_attention``: ``vkv.kernels.reference`` (PyTorch) or
+``vkv.kernels.triton_attention``.
+"""
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    qk_norm: bool = True
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "ModelConfig":
+        """From a Hugging Face ``config.json`` of a Qwen3 or Llama checkpoint."""
+        architectures = config.get("architectures") or []
+        if not {"Qwen3ForCausalLM", "LlamaForCausalLM"} & set(architectures):
+            raise ValueError(f"unsupported architecture {architectures}: Qwen3 or Llama only")
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=config.get("rope_theta", 10_000.0),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            qk_norm="Qwen3ForCausalLM" in architectures,
+            attention_bias=config.get("attention_bias", False),
+        )
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token's K/V go and what each sequence reads, for one step."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_tokens]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks], -1 padded
+    context_lens: torch.Tensor  # [num_seqs], cached tokens after this step's writes
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1], prefill only
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, half-split convention: ``x`` is ``[tokens, heads, head_dim]``."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+    x32 = x.float()
+    half = torch.cat([-x32[..., dim // 2 :], x32[..., : dim // 2]], -1)
+    return (x32 * cos + half * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: ModuleType,
+    ) -> torch.Tensor:
+        c = self.config
+        tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(tokens, c.num_heads, c.head_dim)
+        k = self.k_proj(hidden).view(tokens, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(hidden).view(tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        k_cache, v_cache = cache
+        backend.store_kvcache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        scale = c.head_dim**-0.5
+        if meta.is_prefill:
+            out = backend.paged_prefill_attention(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                meta.cu_seqlens_q,
+                meta.block_tables,
+                meta.context_lens,
+                scale,
+            )
+        else:
+            out = backend.paged_decode_attention(
+                q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+            )
+        return self.o_proj(out.reshape(tokens, c.num_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions, hidden, cache, meta, backend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            positions, self.input_layernorm(hidden), cache, meta, backend
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder and its head: ``forward`` returns the logits of every token it is given."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: ModuleType,
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            hidden = layer(positions, hidden, cache, meta, backend)
+        return self.lm_head(self.model.norm(hidden))
