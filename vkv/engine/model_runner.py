@@ -1,0 +1,103 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples the next tokens.
+
+For every scheduled sequence the step computes tokens ``[num_computed_tokens, + num_tokens)``:
+their ids and positions go into one flat batch, their slots come from the BlockManager's slot
+mapping, and each sequence reads ``num_computed_tokens + num_tokens`` cached tokens through its
+block table. The CacheEngine first applies the step's swap and copy maps. A pure decode step
+uses the decode kernel; any step with a prefill (or a chunk of one) uses the prefill kernel,
+for which a decode token is a one-token chunk. The logits of each sequence's last computed token
+are sampled (a prefill chunk that stops short gets a token the scheduler then ignores).
+"""
+
+from types import ModuleType
+
+import torch
+
+from vkv.engine.block_manager import BlockManager
+from vkv.engine.cache_engine import CacheEngine
+from vkv.engine.scheduler import SchedulerOutput
+from vkv.models.qwen3 import AttentionMetadata, CausalLM
+from vkv.sampling_params import SamplingParams
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache_engine: CacheEngine,
+        block_manager: BlockManager,
+        backend: ModuleType,
+    ) -> None:
+        self.model = model
+        self.cache_engine = cache_engine
+        self.block_manager = block_manager
+        self.backend = backend
+        self.device = cache_engine.device
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's ``input_ids``, ``positions`` and attention metadata."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens, context_lens, tables = [0], [], []
+        for item in out.scheduled:
+            seq = item.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
+            tokens += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += self.block_manager.get_slot_mapping(seq, start, end)
+            cu_seqlens.append(len(tokens))
+            context_lens.append(end)
+            tables.append(seq.block_table)
+        width = max(len(table) for table in tables)
+        padded = [table + [-1] * (width - len(table)) for table in tables]
+
+        def tensor(values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            is_prefill=out.kind != "decode",
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(padded),
+            context_lens=tensor(context_lens),
+            cu_seqlens_q=tensor(cu_seqlens),
+        )
+        return tensor(tokens, torch.int64), tensor(positions, torch.int64), meta
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> list[int]:
+        """Apply the step's block maps, run the model, return one sampled token per sequence."""
+        self.cache_engine.apply(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        if not out.scheduled:
+            return []
+        input_ids, positions, meta = self.prepare(out)
+        caches = [self.cache_engine.layer(i) for i in range(self.model.config.num_layers)]
+        logits = self.model(input_ids, positions, caches, meta, self.backend)
+        last = logits[meta.cu_seqlens_q[1:].long() - 1]
+        return [
+            sample(row, item.seq.sampling_params, item.seq.num_tokens)
+            for row, item in zip(last, out.scheduled, strict=True)
+        ]
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    """One token from one row of logits: greedy, or temperature / top-k / top-p sampling.
+
+    With ``params.seed`` the draw depends only on the seed and ``step`` (the sequence length),
+    so a request's completion is reproducible whatever else is in the batch.
+    """
+    if params.greedy:
+        return int(logits.argmax())
+    scores = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = scores.softmax(-1)
+    if params.top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        drop = ordered.cumsum(0) - ordered > params.top_p
+        probs = probs.scatter(0, order, ordered.masked_fill(drop, 0.0))
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=probs.device).manual_seed(params.seed * 1_000_003 + step)
+    return int(torch.multinomial(probs, 1, generator=generator))
