@@ -2,4 +2,14 @@
 
 from vkv.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch: imported on first use, so that the graded modules and the grader
+    # (whose comment job has only Python's standard library) stay light.
+    if name == "LLM":
+        from vkv.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'vkv' has no attribute {name!r}")

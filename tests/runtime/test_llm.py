@@ -1,0 +1,107 @@
+"""LLM / LLMEngine on a checkpoint folder on disk (config.json, safetensors, tokenizer.json)."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from vkv import LLM, SamplingParams
+from vkv.engine.llm_engine import LLMEngine
+
+TEXT = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"] * 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("checkpoint")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(TEXT, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = Qwen3Config(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(config).eval()
+    hf.save_pretrained(folder, safe_serialization=True)
+    return folder, hf, tokenizer
+
+
+def greedy(hf, ids, count):
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(count):
+            token = int(hf(torch.tensor([seq])).logits[0, -1].argmax())
+            seq.append(token)
+            if token == 0:
+                break
+    return seq[len(ids) :]
+
+
+def test_generate_matches_transformers_and_decodes_text(checkpoint):
+    folder, hf, tokenizer = checkpoint
+    llm = LLM(folder, block_size=4, kv_cache_bytes=1 << 20)
+    prompts = ["def fibonacci(n):", "return n"]
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=6), use_progress=False
+    )
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = greedy(hf, tokenizer.encode(prompt).ids, 6)
+        assert output["token_ids"] == expected
+        assert output["text"] == tokenizer.decode(expected)
+
+
+def test_streaming_outputs_add_up_to_the_text(checkpoint):
+    folder, _, _ = checkpoint
+    engine = LLMEngine(folder, block_size=4, kv_cache_bytes=1 << 20)
+    request = engine.add_request(
+        "def", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    )
+    pieces, finished = [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            pieces.append(output.new_text)
+            finished = output
+    assert finished.request_id == request and finished.finish_reason == "length"
+    assert "".join(pieces) == engine.decode(finished.token_ids)
+    assert set(engine.stats) >= {"running", "waiting", "swapped", "gpu_kv_usage", "preemptions"}
+
+
+def test_bad_input_is_rejected_and_leaves_other_requests_alone(checkpoint):
+    folder, _, _ = checkpoint
+    engine = LLMEngine(folder, block_size=4, kv_cache_bytes=1 << 20, max_model_len=32)
+    good = engine.add_request("def", SamplingParams(temperature=0.0, max_tokens=3))
+    free = engine.scheduler.block_manager.num_free_gpu_blocks
+    for prompt in ("", [], [1] * 33, [10**6]):
+        with pytest.raises(ValueError):
+            engine.add_request(prompt)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=1.5)
+    assert engine.scheduler.block_manager.num_free_gpu_blocks == free
+    assert engine.scheduler.num_unfinished == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine._requests[good].num_completion_tokens >= 1
+
+
+def test_unknown_path_and_unsupported_architecture(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        LLMEngine(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        LLMEngine(tmp_path)

@@ -1,0 +1,172 @@
+"""LLMEngine: requests in, text out, one scheduler step at a time (the names are vLLM's).
+
+``add_request`` tokenizes and queues a prompt, ``step`` runs one scheduler step through the
+model and returns what each request gained (new text for streaming, and whether it finished),
+``abort`` drops a request, ``stats`` describes the engine after the last step. Bad input (an
+empty prompt, one longer than ``max_model_len``, text without a tokenizer) raises at
+``add_request`` and leaves the other requests and the block accounting as they were.
+"""
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vkv.config import Config
+from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
+from vkv.engine.model_runner import ModelRunner
+from vkv.engine.scheduler import Scheduler
+from vkv.engine.sequence import Sequence, SequenceStatus
+from vkv.kernels import reference
+from vkv.models.loader import load_checkpoint
+from vkv.sampling_params import SamplingParams
+
+CPU_KV_BYTES = 256 << 20
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "ignored",
+}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: int
+    new_text: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_fraction: float = 0.9,
+        num_cpu_blocks: int = 0,
+        max_model_len: int = 2048,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = False,
+        preemption_mode: str = "auto",
+        backend: str | None = None,
+        device: str | None = None,
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        backend = backend or ("triton" if self.device.type == "cuda" else "torch")
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"backend must be torch or triton, got {backend!r}")
+        if backend == "triton":
+            from vkv.kernels import triton_attention as kernels
+        else:
+            kernels = reference
+        self.model, self.tokenizer, eos = load_checkpoint(model, dtype, self.device)
+        c = self.model.config
+        shape = CacheShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype)
+        if kv_cache_bytes is None:
+            on_cuda = self.device.type == "cuda"
+            kv_cache_bytes = (
+                free_device_bytes(self.device, gpu_memory_fraction) if on_cuda else CPU_KV_BYTES
+            )
+        self.config = Config(
+            block_size=block_size,
+            num_gpu_blocks=shape.num_blocks_for(kv_cache_bytes),
+            num_cpu_blocks=num_cpu_blocks,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            preemption_mode=preemption_mode,
+            eos_token_id=eos,
+        )
+        self.scheduler = Scheduler(self.config)
+        self.cache_engine = CacheEngine(
+            shape, self.config.num_gpu_blocks, num_cpu_blocks, self.device
+        )
+        self.runner = ModelRunner(
+            self.model, self.cache_engine, self.scheduler.block_manager, kernels
+        )
+        print(
+            f"vkv: KV cache of {self.config.num_gpu_blocks} blocks x {block_size} tokens "
+            f"({self.config.num_gpu_blocks * shape.block_bytes / 2**20:.1f} MiB) on {self.device}, "
+            f"{backend} attention",
+            file=sys.stderr,
+        )
+        self._requests: dict[int, Sequence] = {}
+        self._streamed: dict[int, int] = {}
+        self._next_id = 0
+        self.stats: dict[str, float] = {}
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Queue a prompt (text, or token ids); return its request id."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: pass token ids")
+            prompt = self.tokenizer.encode(prompt).ids
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        if len(prompt) > self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens, more than max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
+            raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
+        request_id = self._next_id
+        seq = Sequence(request_id, list(prompt), self.config.block_size, params, time.monotonic())
+        self.scheduler.add(seq)
+        self._next_id += 1
+        self._requests[request_id] = seq
+        self._streamed[request_id] = 0
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; what each request it touched gained."""
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.scheduler.postprocess(out.scheduled, self.runner.run(out))
+        elapsed = time.perf_counter() - started
+        touched = [item.seq for item in out.scheduled] + [i.seq for i in out.ignored]
+        outputs = [self._output(seq) for seq in touched]
+        manager = self.scheduler.block_manager
+        self.stats = {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "swapped": len(self.scheduler.swapped),
+            "gpu_kv_usage": manager.gpu_usage,
+            "cpu_kv_usage": manager.cpu_usage,
+            "preemptions": self.scheduler.num_preemptions,
+            "tokens_per_s": out.num_batched_tokens / elapsed if elapsed else 0.0,
+        }
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        completion = seq.completion_token_ids
+        sent = self._streamed[seq.seq_id]
+        self._streamed[seq.seq_id] = len(completion)
+        previous = self.decode(completion[:sent])
+        return RequestOutput(
+            request_id=seq.seq_id,
+            new_text=self.decode(completion)[len(previous) :],
+            new_token_ids=completion[sent:],
+            token_ids=completion,
+            finished=seq.is_finished,
+            finish_reason=FINISH_REASONS.get(seq.status),
+        )
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
