@@ -3,6 +3,7 @@
     vkv grade [PATH] [--trusted TREE] [--isolate] [--hidden DIR]
               [--format table|json|gradescope|markdown] [--output FILE]
                                                 score a submission, per part
+    vkv generate PROMPT... --model PATH         generate text with a checkpoint folder
     vkv assignment release OUT                  write the student edition into OUT
     vkv assignment solve DIR --parts 1.1,1.2    put reference code for those parts into DIR
     vkv assignment check                        prove the assignment sound (see check.py)
@@ -54,6 +55,30 @@ def _grade(args: argparse.Namespace, console: Console) -> int:
         Path(args.output).write_text(text if text.endswith("\n") else text + "\n")
     else:
         print(text)
+    return 0
+
+
+def _generate(args: argparse.Namespace, console: Console) -> int:
+    from vkv.llm import LLM
+    from vkv.sampling_params import SamplingParams
+
+    llm = LLM(
+        args.model,
+        block_size=args.block_size,
+        kv_cache_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
+        max_model_len=args.max_model_len,
+        backend=args.backend,
+    )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
+        console.print(f"[bold]{prompt}[/bold]", end="")
+        console.print(output["text"], markup=False, highlight=False)
     return 0
 
 
@@ -117,6 +142,20 @@ def _parser() -> argparse.ArgumentParser:
     grade.add_argument("--output", help="write the json / gradescope / markdown form here")
     grade.add_argument("--root", help="the reference tree for --isolate (default: this package's)")
     grade.set_defaults(run=_grade)
+
+    generate = commands.add_parser("generate", help="generate text with a checkpoint folder")
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT")
+    generate.add_argument("--model", required=True, help="a Hugging Face checkpoint folder")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-k", type=int, default=-1)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--block-size", type=int, default=16)
+    generate.add_argument("--kv-budget-mb", type=float, help="KV cache size (default: auto)")
+    generate.add_argument("--max-model-len", type=int, default=2048)
+    generate.add_argument("--backend", choices=["torch", "triton"])
+    generate.set_defaults(run=_generate)
 
     assignment = commands.add_parser("assignment", help="instructor tooling")
     tools = assignment.add_subparsers(required=True, metavar="TOOL")

@@ -105,3 +105,15 @@ def test_unknown_path_and_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ValueError, match="unsupported architecture"):
         LLMEngine(tmp_path)
+
+
+def test_vkv_generate_command(checkpoint, capsys):
+    from vkv.cli import main
+
+    folder, hf, tokenizer = checkpoint
+    code = main(
+        ["generate", "def f", "--model", str(folder), "--max-tokens", "4", "--block-size", "4"]
+    )
+    assert code == 0
+    expected = tokenizer.decode(greedy(hf, tokenizer.encode("def f").ids, 4))
+    assert expected in capsys.readouterr().out
