@@ -120,3 +120,22 @@ def test_a_mutant_the_tests_miss_is_reported(tmp_path):
     assert list(failed) == ["every mutant fails a graded test"]
     assert "equivalent" in failed["every mutant fails a graded test"]
     assert "caught" not in failed["every mutant fails a graded test"]
+
+
+def test_a_mutant_that_hangs_counts_as_caught(tmp_path, monkeypatch):
+    import vkv.assignment.check as check_module
+
+    monkeypatch.setattr(check_module, "RUN_TIMEOUT_S", 10.0)
+    root = make_toy(tmp_path)
+    (root / "assignment/mutants.toml").write_text(
+        '[[mutant]]\nfile = "vkv/engine/toy.py"\nwhy = "hangs"\n'
+        'find = "return 3 * x"\nreplace = "while True:\\n        pass"\n'
+    )
+    manifest = root / "assignment/parts.toml"
+    manifest.write_text(
+        manifest.read_text().replace(
+            "release_exclude = []", 'release_exclude = ["assignment/mutants.toml"]'
+        )
+    )
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    assert failed_checks(root) == {}

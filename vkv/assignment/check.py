@@ -12,7 +12,8 @@ It builds the student edition in a temporary folder and verifies:
    a part it depends on;
 7. for each part, stubbing that part alone fails all of its tests, and every test of a part
    that does not depend on it still passes;
-8. every mutant of ``assignment/mutants.toml`` (a plausible wrong implementation) fails at least
+8. hidden tests (``tests/hidden/``, left out of the edition) obey rules 4 to 7 too;
+9. every mutant of ``assignment/mutants.toml`` (a plausible wrong implementation) fails at least
    one graded test: the tests are strong enough to catch it.
 """
 
@@ -38,6 +39,7 @@ from vkv.assignment.testrun import TestResult, TestRunError, run_tests
 
 MUTANTS = Path("assignment") / "mutants.toml"
 RUN_TIMEOUT_S = 300.0
+HIDDEN = Path("tests") / "hidden"
 STUB_ERROR = re.compile(r"NotImplementedError: part (?P<part>\d+\.\d+):")
 
 
@@ -89,14 +91,22 @@ def check(root: Path, console: Console) -> list[Finding]:
         findings.append(_imports(trees["edition"]))
         findings.append(_same_signatures(trees["reference"], trees["edition"]))
 
+        hidden = sorted(p.relative_to(root).as_posix() for p in (root / HIDDEN).glob("test_*.py"))
+        for tree in trees.values():  # hidden tests obey the same rules, outside the edition
+            copy_tree(root, tree, hidden)
+        test_files = assignment.test_files + hidden
+
         workers = os.cpu_count() or 1
         console.print(f"running the graded tests in {len(trees)} trees, {workers} at a time")
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            runs = {
-                name: pool.submit(run_tests, tree, assignment.test_files)
-                for name, tree in trees.items()
-            }
+            runs = {name: pool.submit(_run, tree, test_files) for name, tree in trees.items()}
             results = {name: run.result() for name, run in runs.items()}
+        hung = [name for name, result in results.items() if result is None]
+        hung = [name for name in hung if not name.startswith("mutant")]
+        if hung:
+            findings.append(Finding("every test run finishes", False, _summary(hung)))
+            _print(findings, console)
+            return findings
 
         on_reference = results["reference"]
         findings += _every_test_has_a_part(assignment, on_reference)
