@@ -1,9 +1,8 @@
 """LLM / LLMEngine on a checkpoint folder on disk (config.json, safetensors, tokenizer.json)."""
 
 import pytest
-import torch
+from tiny_checkpoints import greedy_by_recompute, tiny_hf_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from vkv import LLM, SamplingParams
 from vkv.engine.llm_engine import LLMEngine
@@ -22,33 +21,15 @@ def checkpoint(tmp_path_factory):
     )
     tokenizer.train_from_iterator(TEXT, trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = Qwen3Config(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=0,
+    hf = tiny_hf_model(
+        vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=256, eos_token_id=0
     )
-    torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(config).eval()
     hf.save_pretrained(folder, safe_serialization=True)
     return folder, hf, tokenizer
 
 
 def greedy(hf, ids, count):
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(count):
-            token = int(hf(torch.tensor([seq])).logits[0, -1].argmax())
-            seq.append(token)
-            if token == 0:
-                break
-    return seq[len(ids) :]
+    return greedy_by_recompute(hf, ids, count, eos=0)
 
 
 def test_generate_matches_transformers_and_decodes_text(checkpoint):

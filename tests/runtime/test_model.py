@@ -7,40 +7,12 @@ sequence without a cache. Both attention backends: PyTorch and Triton (interpret
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from tiny_checkpoints import paired
 
 from vkv.kernels import reference, triton_attention
-from vkv.models.qwen3 import AttentionMetadata, CausalLM, ModelConfig
+from vkv.models.qwen3 import AttentionMetadata, ModelConfig
 
 BLOCK_SIZE = 4
-SIZES = {
-    "vocab_size": 96,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 128,
-}
-
-
-def checkpoints():
-    qwen = Qwen3Config(**SIZES, tie_word_embeddings=True, rope_theta=10_000.0)
-    qwen.architectures = ["Qwen3ForCausalLM"]
-    llama = LlamaConfig(**SIZES, tie_word_embeddings=False)
-    llama.architectures = ["LlamaForCausalLM"]
-    return {"qwen3": (qwen, Qwen3ForCausalLM), "llama": (llama, LlamaForCausalLM)}
-
-
-def load_pair(name: str):
-    config, model_class = checkpoints()[name]
-    torch.manual_seed(0)
-    hf = model_class(config).eval()
-    ours = CausalLM(ModelConfig.from_hf(config.to_dict())).eval()
-    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
-    assert not missing and all("rotary" in key for key in unexpected), (missing, unexpected)
-    return hf, ours
 
 
 def metadata(seqs, tables, prefill):
@@ -68,7 +40,7 @@ def metadata(seqs, tables, prefill):
 @pytest.mark.parametrize("backend", [reference, triton_attention], ids=["torch", "triton"])
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 def test_paged_generation_matches_transformers(name, backend):
-    hf, ours = load_pair(name)
+    hf, ours = paired(name)
     seqs = [[5, 17, 3, 88, 41, 9, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     free = list(torch.randperm(16).tolist())
     tables = [[free.pop() for _ in range(6)] for _ in seqs]  # room for 24 tokens each

@@ -4,7 +4,7 @@ recompute or by swap, and with chunked prefill."""
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny_checkpoints import greedy_by_recompute, paired
 
 from vkv.config import Config
 from vkv.engine.cache_engine import CacheEngine, CacheShape
@@ -12,7 +12,6 @@ from vkv.engine.model_runner import ModelRunner, sample
 from vkv.engine.scheduler import Scheduler
 from vkv.engine.sequence import Sequence
 from vkv.kernels import reference, triton_attention
-from vkv.models.qwen3 import CausalLM, ModelConfig
 from vkv.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [1, 2, 3], [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81]]
@@ -21,30 +20,8 @@ NEW_TOKENS = [9, 12, 6]
 
 @pytest.fixture(scope="module")
 def models():
-    config = Qwen3Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        rope_theta=10_000.0,
-    )
-    config.architectures = ["Qwen3ForCausalLM"]
-    torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(config).eval()
-    ours = CausalLM(ModelConfig.from_hf(config.to_dict())).eval()
-    ours.load_state_dict(hf.state_dict(), strict=False)
-    expected = []
-    with torch.no_grad():
-        for prompt, count in zip(PROMPTS, NEW_TOKENS, strict=True):
-            seq = list(prompt)
-            for _ in range(count):
-                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-            expected.append(seq[len(prompt) :])
+    hf, ours = paired("qwen3")
+    expected = [greedy_by_recompute(hf, p, n) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
     return ours, expected
 
 

@@ -54,12 +54,16 @@ class TestOutcome:
 
     @property
     def part(self) -> str | None:
-        file, _, name = self.nodeid.partition("::")
-        return part_of_test(Path(file).name, name)
+        return _part_of(self.nodeid)
 
     @property
     def hidden(self) -> bool:
         return self.nodeid.startswith(HIDDEN_DIR.as_posix() + "/")
+
+
+def _part_of(nodeid: str) -> str | None:
+    file, _, name = nodeid.partition("::")
+    return part_of_test(Path(file).name, name)
 
 
 @dataclass(slots=True, frozen=True)
@@ -132,7 +136,8 @@ def grade(
             for path in (base / HIDDEN_DIR).glob("test_phase*.py")
             if (match := GRADED_TEST_FILE.match(path.name)) and match["phase"] in phases
         )
-        ids_by_part = _collect(base, test_files, Path(scratch), assignment)
+        ini = _ini(Path(scratch))
+        ids_by_part = _collect(base, test_files, ini, assignment)
 
         work = Path(scratch) / "work"
         copy_clean(base, work)
@@ -148,7 +153,7 @@ def grade(
                 trees[f"isolated {part}"] = _isolated_tree(
                     part, base, reference, submission, assignment, Path(scratch)
                 )
-        runs = _run_all(trees, ids_by_part, Path(scratch), timeout)
+        runs = _run_all(trees, ids_by_part, ini, timeout)
     if tree_digest(trusted) != trusted_before:
         raise RuntimeError(
             f"the trusted tree {trusted} changed while grading (a submission wrote to it): "
@@ -289,17 +294,18 @@ def _environment(tree: Path, **extra: str) -> dict[str, str]:
 
 
 def _ini(scratch: Path) -> Path:
+    """The grader's own pytest configuration, written once per grade."""
     ini = scratch / "grader.ini"
     ini.write_text(GRADER_INI)
     return ini
 
 
 def _collect(
-    base: Path, files: list[str], scratch: Path, assignment: Assignment
+    base: Path, files: list[str], ini: Path, assignment: Assignment
 ) -> dict[str, list[str]]:
     """The graded test ids of the trusted tree, by part (collection imports trusted code only)."""
     done = subprocess.run(
-        _pytest(files, _ini(scratch), "--collect-only"),
+        _pytest(files, ini, "--collect-only"),
         cwd=base,
         env=_environment(base),
         capture_output=True,
@@ -311,9 +317,9 @@ def _collect(
         raise RuntimeError(f"collecting the trusted tests failed:\n{done.stdout[-2000:]}")
     by_part: dict[str, list[str]] = {part: [] for part in assignment.part_ids}
     for nodeid in ids:
-        outcome = TestOutcome(nodeid, "missing")
-        if outcome.part in by_part:
-            by_part[outcome.part].append(nodeid)
+        part = _part_of(nodeid)
+        if part in by_part:
+            by_part[part].append(nodeid)
     return by_part
 
 
@@ -323,7 +329,7 @@ RunResult = tuple[list[TestOutcome], str, str]
 def _run_all(
     trees: dict[str, Path | RegionError],
     ids_by_part: dict[str, list[str]],
-    scratch: Path,
+    ini: Path,
     timeout: float,
 ) -> dict[str, RunResult]:
     """Run every tree's part in parallel: outcomes, status and detail by tree name."""
@@ -333,7 +339,8 @@ def _run_all(
                 _run_part,
                 tree,
                 ids_by_part[name.removeprefix("isolated ")],
-                scratch / f"report-{name.replace(' ', '-')}.jsonl",
+                ini,
+                ini.parent / f"report-{name.replace(' ', '-')}.jsonl",
                 timeout,
             )
             for name, tree in trees.items()
@@ -341,14 +348,14 @@ def _run_all(
         return {name: future.result() for name, future in futures.items()}
 
 
-def _run_part(tree: Path | RegionError, ids: list[str], report: Path, timeout: float) -> RunResult:
+def _run_part(
+    tree: Path | RegionError, ids: list[str], ini: Path, report: Path, timeout: float
+) -> RunResult:
     """Run the tests ``ids`` in ``tree``: outcomes, status and a detail for the report."""
     if isinstance(tree, RegionError):
         return [TestOutcome(i, "failed", str(tree)) for i in ids], "error", str(tree)
     if not ids:
         return [], "error", "no tests"
-    ini = report.with_suffix(".ini")
-    ini.write_text(GRADER_INI)
     process = subprocess.Popen(
         _pytest(ids, ini, "-p", "vkv.assignment.reporter"),
         cwd=tree,

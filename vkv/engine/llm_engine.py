@@ -101,7 +101,7 @@ class LLMEngine:
             file=sys.stderr,
         )
         self._requests: dict[int, Sequence] = {}
-        self._streamed: dict[int, int] = {}
+        self._streamed: dict[int, tuple[int, str]] = {}  # tokens and text already returned
         self._next_id = 0
         self.stats: dict[str, float] = {}
 
@@ -125,7 +125,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._next_id += 1
         self._requests[request_id] = seq
-        self._streamed[request_id] = 0
+        self._streamed[request_id] = (0, "")
         return request_id
 
     def abort(self, request_id: int) -> None:
@@ -156,12 +156,12 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = seq.completion_token_ids
-        sent = self._streamed[seq.seq_id]
-        self._streamed[seq.seq_id] = len(completion)
-        previous = self.decode(completion[:sent])
+        sent, previous = self._streamed[seq.seq_id]
+        text = self.decode(completion)
+        self._streamed[seq.seq_id] = (len(completion), text)
         return RequestOutput(
             request_id=seq.seq_id,
-            new_text=self.decode(completion)[len(previous) :],
+            new_text=text[len(previous) :],
             new_token_ids=completion[sent:],
             token_ids=completion,
             finished=seq.is_finished,

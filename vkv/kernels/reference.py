@@ -49,15 +49,10 @@ def paged_decode_attention(
     i, the new one included. Query head h reads KV head ``h // (num_heads // num_kv_heads)``
     (grouped-query attention). Returns ``[batch, num_heads, head_dim]`` in the query's dtype.
     """
-    out = torch.empty_like(query)
-    group = query.shape[1] // k_cache.shape[2]
-    for i in range(query.shape[0]):
-        n = int(context_lens[i])
-        keys = gather_kv(k_cache, block_tables[i], n).float().repeat_interleave(group, dim=1)
-        values = gather_kv(v_cache, block_tables[i], n).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", query[i].float(), keys) * scale
-        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values).to(query.dtype)
-    return out
+    one_each = torch.arange(query.shape[0] + 1, device=query.device)
+    return paged_prefill_attention(
+        query, k_cache, v_cache, one_each, block_tables, context_lens, scale
+    )
 
 
 def paged_prefill_attention(

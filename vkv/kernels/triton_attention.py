@@ -74,6 +74,48 @@ def store_kvcache(
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    positions,
+    pos_mask,
+    visible,
+    dims,
+    dim_mask,
+    head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    running_max,
+    running_sum,
+    acc,
+    scale,
+    BLOCK_SIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One tile of cached tokens for the query rows ``q``: gather K and V through the block
+    table, score the ``visible`` pairs, fold them into the online softmax."""
+    blocks = tl.load(table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0)
+    rows_at = (
+        blocks.to(tl.int64) * stride_cache_block
+        + (positions % BLOCK_SIZE) * stride_cache_slot
+        + head_offset
+    )
+    kv_mask = pos_mask[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    correction = tl.exp(running_max - new_max)
+    probs = tl.exp(scores - new_max[:, None])
+    running_sum = running_sum * correction + tl.sum(probs, 1)
+    v = tl.load(v_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+    return new_max, running_sum, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -124,28 +166,30 @@ def _decode_split_kernel(
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_table
     for tile in range(start, end, BLOCK_N):
         positions = tile + tl.arange(0, BLOCK_N)
         pos_mask = positions < end
-        blocks = tl.load(
-            block_tables_ptr + seq * stride_table + positions // BLOCK_SIZE, mask=pos_mask, other=0
+        running_max, running_sum, acc = _attend_tile(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_ptr,
+            positions,
+            pos_mask,
+            pos_mask[None, :],
+            dims,
+            dim_mask,
+            kv_head * stride_cache_head,
+            stride_cache_block,
+            stride_cache_slot,
+            running_max,
+            running_sum,
+            acc,
+            scale,
+            BLOCK_SIZE,
+            PRECISION,
         )
-        rows_at = (
-            blocks.to(tl.int64) * stride_cache_block
-            + (positions % BLOCK_SIZE) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        correction = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(probs, 1)
-        v = tl.load(v_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-        running_max = new_max
 
     has_tokens = running_sum > 0
     out = tl.where(has_tokens[:, None], acc / tl.where(has_tokens, running_sum, 1.0)[:, None], 0.0)
@@ -210,6 +254,16 @@ def _decode_merge_kernel(
     )
 
 
+def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The GQA group size; ``ValueError`` unless heads group and layouts suit the kernels."""
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if query.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("query and caches must be contiguous in head_dim, caches alike")
+    return num_heads // num_kv_heads
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -223,11 +277,7 @@ def paged_decode_attention(
     """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
-    if query.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("query and caches must be contiguous in head_dim, caches alike")
-    group = num_heads // num_kv_heads
+    group = _check_layout(query, k_cache, v_cache)
     if num_splits is None:
         num_splits = max(1, min(16, triton.cdiv(int(context_lens.max()), 512)))
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
@@ -333,29 +383,31 @@ def _prefill_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_table
     for tile in range(0, kv_end, BLOCK_N):
         positions = tile + tl.arange(0, BLOCK_N)
         pos_mask = positions < kv_end
-        blocks = tl.load(
-            block_tables_ptr + seq * stride_table + positions // BLOCK_SIZE, mask=pos_mask, other=0
-        )
-        rows_at = (
-            blocks.to(tl.int64) * stride_cache_block
-            + (positions % BLOCK_SIZE) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = pos_mask[None, :] & (positions[None, :] <= q_positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        correction = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(probs, 1)
-        v = tl.load(v_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = _attend_tile(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_ptr,
+            positions,
+            pos_mask,
+            visible,
+            dims,
+            dim_mask,
+            kv_head * stride_cache_head,
+            stride_cache_block,
+            stride_cache_slot,
+            running_max,
+            running_sum,
+            acc,
+            scale,
+            BLOCK_SIZE,
+            PRECISION,
+        )
 
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     tl.store(
@@ -378,11 +430,8 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """See ``reference.paged_prefill_attention``."""
     _, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
-    if query.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("query and caches must be contiguous in head_dim, caches alike")
+    block_size = k_cache.shape[1]
+    group = _check_layout(query, k_cache, v_cache)
     num_seqs = len(context_lens)
     longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m = max(MIN_DOT, block_m)
@@ -404,7 +453,7 @@ def paged_prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
