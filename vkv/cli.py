@@ -3,7 +3,9 @@
     vkv grade [PATH] [--trusted TREE] [--isolate] [--hidden DIR]
               [--format table|json|gradescope|markdown] [--output FILE]
                                                 score a submission, per part
-    vkv generate PROMPT... --model PATH         generate text with a checkpoint folder
+    vkv demo                                    watch paging and preemption on vkv-tiny
+    vkv generate PROMPT... [--model PATH]       generate text (default model: vkv-tiny)
+    vkv bench e2e                               vkv vs transformers' generate, same requests
     vkv assignment release OUT                  write the student edition into OUT
     vkv assignment solve DIR --parts 1.1,1.2    put reference code for those parts into DIR
     vkv assignment check                        prove the assignment sound (see check.py)
@@ -66,6 +68,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         args.model,
         block_size=args.block_size,
         kv_cache_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         max_model_len=args.max_model_len,
         backend=args.backend,
     )
@@ -79,6 +82,62 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
         console.print(output["text"], markup=False, highlight=False)
+    return 0
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    from vkv.demo import run_demo
+
+    run_demo(
+        console,
+        model=args.model,
+        requests=args.requests,
+        gpu_blocks=args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks,
+        block_size=args.block_size,
+        preemption_mode=args.preemption_mode,
+        max_tokens=args.max_tokens,
+        live=console.is_terminal and not args.no_live,
+    )
+    return 0
+
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from rich.table import Table
+
+    try:
+        from vkv.bench import run_e2e
+    except ModuleNotFoundError as exc:
+        raise RuntimeError(f"vkv bench e2e needs the dev dependencies (uv sync): {exc}") from None
+    result = run_e2e(
+        args.model,
+        num_requests=args.requests,
+        max_num_seqs=args.max_num_seqs,
+        hf_batch=args.hf_batch,
+        seed=args.seed,
+    )
+    table = Table(title=f"vkv bench e2e: {result.requests} requests, {result.threads} threads")
+    for column in ("system", "seconds", "output tokens/s"):
+        table.add_column(column, justify="right")
+    table.add_row("vkv", f"{result.vkv_seconds:.2f}", f"{result.vkv_tokens_per_s:,.0f}")
+    table.add_row(
+        f"transformers (batches of {result.hf_batch})",
+        f"{result.hf_seconds:.2f}",
+        f"{result.hf_tokens_per_s:,.0f}",
+    )
+    console.print(table)
+    console.print(
+        f"speedup {result.speedup:.2f}x; step time outside the model: "
+        f"{result.overhead_share_full_batch:.1%} at {result.max_num_seqs} running "
+        f"({result.full_batch_steps} steps), {result.overhead_share:.1%} over all "
+        f"{result.vkv_steps} steps; identical completions "
+        f"{result.identical_completions}/{result.requests}"
+    )
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     return 0
 
 
@@ -145,17 +204,51 @@ def _parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text with a checkpoint folder")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT")
-    generate.add_argument("--model", required=True, help="a Hugging Face checkpoint folder")
+    generate.add_argument(
+        "--model", help="a Hugging Face checkpoint folder (default: the built-in vkv-tiny)"
+    )
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-k", type=int, default=-1)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--block-size", type=int, default=16)
-    generate.add_argument("--kv-budget-mb", type=float, help="KV cache size (default: auto)")
+    generate.add_argument(
+        "--kv-budget-mb", type=float, help="KV cache size (default: 256 MiB on a CPU)"
+    )
+    generate.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.9,
+        help="on CUDA without --kv-budget-mb: the share of free GPU memory the KV cache takes",
+    )
     generate.add_argument("--max-model-len", type=int, default=2048)
     generate.add_argument("--backend", choices=["torch", "triton"])
     generate.set_defaults(run=_generate)
+
+    demo = commands.add_parser(
+        "demo", help="watch a batch share a too-small KV cache: queues, block maps, preemption"
+    )
+    demo.add_argument("--model", help="a checkpoint folder (default: the built-in vkv-tiny)")
+    demo.add_argument("--requests", type=int, default=24)
+    demo.add_argument("--gpu-blocks", type=int, default=48, help="the device KV pool, in blocks")
+    demo.add_argument("--cpu-blocks", type=int, default=64, help="the CPU swap pool, in blocks")
+    demo.add_argument("--block-size", type=int, default=16)
+    demo.add_argument("--preemption-mode", choices=["swap", "recompute"], default="swap")
+    demo.add_argument("--max-tokens", type=int, default=160, help="the longest completion")
+    demo.add_argument("--no-live", action="store_true", help="print only the summary")
+    demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser("bench", help="benchmarks of the runtime")
+    benchmarks = bench.add_subparsers(required=True, metavar="BENCHMARK")
+    e2e = benchmarks.add_parser("e2e", help="vkv vs transformers' generate, same requests")
+    e2e.add_argument("--model", help="a checkpoint folder (default: the built-in vkv-tiny)")
+    e2e.add_argument("--requests", type=int, default=64)
+    e2e.add_argument("--max-num-seqs", type=int, default=64)
+    e2e.add_argument("--hf-batch", type=int, default=64, help="transformers' static batch size")
+    e2e.add_argument("--seed", type=int, default=0)
+    e2e.add_argument("--output", help="also write the result as JSON here")
+    e2e.set_defaults(run=_bench)
 
     assignment = commands.add_parser("assignment", help="instructor tooling")
     tools = assignment.add_subparsers(required=True, metavar="TOOL")

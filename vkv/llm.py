@@ -1,4 +1,7 @@
-"""LLM: offline batch generation, as in vLLM and nano-vLLM: ``LLM(path).generate(prompts)``."""
+"""LLM: offline batch generation, as in vLLM and nano-vLLM: ``LLM(path).generate(prompts)``.
+
+``LLM()`` serves the built-in ``vkv-tiny``; the options are ``LLMEngine``'s.
+"""
 
 from pathlib import Path
 
@@ -9,7 +12,7 @@ from vkv.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | Path, **options) -> None:
+    def __init__(self, model: str | Path | None = None, **options) -> None:
         self.engine = LLMEngine(model, **options)
 
     def generate(

@@ -14,8 +14,17 @@ from vkv.engine.sequence import Sequence
 from vkv.kernels import reference, triton_attention
 from vkv.sampling_params import SamplingParams
 
-PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [1, 2, 3], [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81]]
-NEW_TOKENS = [9, 12, 6]
+PROMPTS = [
+    [5, 17, 3, 88, 41, 9, 60],
+    [1, 2, 3],
+    [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81],
+    [(7 * i) % 96 for i in range(60)],  # one block of 64 for the prompt, two at the end
+]
+NEW_TOKENS = [9, 12, 6, 10]
+BLOCK_SIZES = [1, 16, 64]
+BACKENDS = pytest.mark.parametrize(
+    "backend", [reference, triton_attention], ids=["torch", "triton"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +34,19 @@ def models():
     return ours, expected
 
 
-def generate(model, backend, **options):
-    config = Config(block_size=4, max_model_len=64, max_num_seqs=4, watermark=0.0, **options)
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def generate(model, backend, block_size, num_gpu_blocks, **options):
+    config = Config(
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        max_model_len=128,
+        max_num_seqs=4,
+        watermark=0.0,
+        **options,
+    )
     scheduler = Scheduler(config)
     shape = CacheShape(2, config.block_size, 2, 16, torch.float32)
     cache = CacheEngine(shape, config.num_gpu_blocks, config.num_cpu_blocks, torch.device("cpu"))
@@ -37,35 +57,55 @@ def generate(model, backend, **options):
     ]
     for seq in seqs:
         scheduler.add(seq)
-    for _ in range(200):
+    for _ in range(400):
         if scheduler.is_finished():
             break
         out = scheduler.schedule()
         scheduler.postprocess(out.scheduled, runner.run(out))
+    assert scheduler.is_finished()
     return [seq.completion_token_ids for seq in seqs], scheduler.num_preemptions
 
 
-@pytest.mark.parametrize("backend", [reference, triton_attention], ids=["torch", "triton"])
-def test_paged_engine_generates_what_recomputation_generates(models, backend):
+def ample_pool(block_size: int) -> int:
+    return sum(blocks_for(len(p) + n, block_size) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True))
+
+
+def tight_pool(block_size: int) -> int:
+    """Room for every prompt (and for the longest sequence), not for every completion."""
+    prompts = sum(blocks_for(len(p), block_size) for p in PROMPTS)
+    longest = max(len(p) + n for p, n in zip(PROMPTS, NEW_TOKENS, strict=True))
+    return max(prompts, blocks_for(longest, block_size))
+
+
+@BACKENDS
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_paged_engine_generates_what_recomputation_generates(models, backend, block_size):
     model, expected = models
-    outputs, preemptions = generate(model, backend, num_gpu_blocks=32)
+    outputs, preemptions = generate(model, backend, block_size, ample_pool(block_size))
     assert outputs == expected and preemptions == 0
 
 
+@BACKENDS
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_does_not_change_the_output(models, mode):
+def test_preemption_does_not_change_the_output(models, backend, block_size, mode):
     model, expected = models
     outputs, preemptions = generate(
-        model, reference, num_gpu_blocks=8, num_cpu_blocks=16, preemption_mode=mode
+        model,
+        backend,
+        block_size,
+        tight_pool(block_size),
+        num_cpu_blocks=ample_pool(block_size),
+        preemption_mode=mode,
     )
-    assert preemptions > 0, "the pool is meant to be too small for all three at once"
+    assert preemptions > 0, "the pool is meant to be too small for all four completions"
     assert outputs == expected
 
 
 def test_chunked_prefill_does_not_change_the_output(models):
     model, expected = models
     outputs, _ = generate(
-        model, reference, num_gpu_blocks=32, enable_chunked_prefill=True, max_num_batched_tokens=5
+        model, reference, 4, 64, enable_chunked_prefill=True, max_num_batched_tokens=5
     )
     assert outputs == expected
 

@@ -17,7 +17,7 @@ SIZES = {
     "max_position_embeddings": 128,
 }
 ARCHITECTURES = {
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True, "rope_theta": 1e4}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True, "rope_theta": 5e5}),
     "llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
 }
 

@@ -24,6 +24,7 @@ from vkv.models.loader import load_checkpoint
 from vkv.sampling_params import SamplingParams
 
 CPU_KV_BYTES = 256 << 20
+INCOMPLETE_CHARACTER = "\ufffd"  # what a decoder makes of a UTF-8 character cut short
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -43,13 +44,23 @@ class RequestOutput:
 
 
 class LLMEngine:
+    """The serving loop over one model (``model=None``: the built-in vkv-tiny).
+
+    The device KV cache holds ``num_gpu_blocks`` blocks if given, else as many as fit in
+    ``kv_cache_bytes``, else in ``gpu_memory_fraction`` of the free memory on CUDA (256 MiB on a
+    CPU); its size is printed to stderr. ``num_cpu_blocks`` is the swap pool. Attention runs on
+    the Triton kernels on CUDA and on the PyTorch reference on a CPU unless ``backend`` says
+    otherwise; the scheduler's options are ``Config``'s.
+    """
+
     def __init__(
         self,
-        model: str | Path,
+        model: str | Path | None = None,
         *,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
         gpu_memory_fraction: float = 0.9,
+        num_gpu_blocks: int | None = None,
         num_cpu_blocks: int = 0,
         max_model_len: int = 2048,
         max_num_seqs: int = 64,
@@ -71,14 +82,16 @@ class LLMEngine:
         self.model, self.tokenizer, eos = load_checkpoint(model, dtype, self.device)
         c = self.model.config
         shape = CacheShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype)
-        if kv_cache_bytes is None:
-            on_cuda = self.device.type == "cuda"
-            kv_cache_bytes = (
-                free_device_bytes(self.device, gpu_memory_fraction) if on_cuda else CPU_KV_BYTES
-            )
+        if num_gpu_blocks is None:
+            if kv_cache_bytes is None:
+                on_cuda = self.device.type == "cuda"
+                kv_cache_bytes = (
+                    free_device_bytes(self.device, gpu_memory_fraction) if on_cuda else CPU_KV_BYTES
+                )
+            num_gpu_blocks = shape.num_blocks_for(kv_cache_bytes)
         self.config = Config(
             block_size=block_size,
-            num_gpu_blocks=shape.num_blocks_for(kv_cache_bytes),
+            num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -128,6 +141,10 @@ class LLMEngine:
         self._streamed[request_id] = (0, "")
         return request_id
 
+    def sequence(self, request_id: int) -> Sequence:
+        """The request's sequence: tokens, status and block table, as the scheduler sees them."""
+        return self._requests[request_id]
+
     def abort(self, request_id: int) -> None:
         self.scheduler.abort(request_id)
 
@@ -139,9 +156,9 @@ class LLMEngine:
         started = time.perf_counter()
         out = self.scheduler.schedule()
         self.scheduler.postprocess(out.scheduled, self.runner.run(out))
-        elapsed = time.perf_counter() - started
         touched = [item.seq for item in out.scheduled] + [i.seq for i in out.ignored]
         outputs = [self._output(seq) for seq in touched]
+        elapsed = time.perf_counter() - started
         manager = self.scheduler.block_manager
         self.stats = {
             "running": len(self.scheduler.running),
@@ -150,7 +167,12 @@ class LLMEngine:
             "gpu_kv_usage": manager.gpu_usage,
             "cpu_kv_usage": manager.cpu_usage,
             "preemptions": self.scheduler.num_preemptions,
+            "blocks_swapped_out": len(out.blocks_to_swap_out),
+            "blocks_swapped_in": len(out.blocks_to_swap_in),
+            "batched_tokens": out.num_batched_tokens,
             "tokens_per_s": out.num_batched_tokens / elapsed if elapsed else 0.0,
+            "step_seconds": elapsed,
+            "model_seconds": self.runner.model_seconds,
         }
         return outputs
 
@@ -158,6 +180,8 @@ class LLMEngine:
         completion = seq.completion_token_ids
         sent, previous = self._streamed[seq.seq_id]
         text = self.decode(completion)
+        if not seq.is_finished:
+            text = text.removesuffix(INCOMPLETE_CHARACTER)  # wait for the character's last byte
         self._streamed[seq.seq_id] = (len(completion), text)
         return RequestOutput(
             request_id=seq.seq_id,

@@ -9,6 +9,7 @@ for which a decode token is a one-token chunk. The logits of each sequence's las
 are sampled (a prefill chunk that stops short gets a token the scheduler then ignores).
 """
 
+import time
 from types import ModuleType
 
 import torch
@@ -33,6 +34,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.backend = backend
         self.device = cache_engine.device
+        self.model_seconds = 0.0
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's ``input_ids``, ``positions`` and attention metadata."""
@@ -66,17 +68,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> list[int]:
-        """Apply the step's block maps, run the model, return one sampled token per sequence."""
+        """Apply the step's block maps, run the model, return one sampled token per sequence.
+
+        ``model_seconds`` is then the time the model's forward took (the rest of a step is
+        overhead: scheduling, block maps, inputs, sampling).
+        """
         self.cache_engine.apply(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        self.model_seconds = 0.0
         if not out.scheduled:
             return []
         input_ids, positions, meta = self.prepare(out)
         caches = [self.cache_engine.layer(i) for i in range(self.model.config.num_layers)]
+        started = time.perf_counter()
         logits = self.model(input_ids, positions, caches, meta, self.backend)
         last = logits[meta.cu_seqlens_q[1:].long() - 1]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.model_seconds = time.perf_counter() - started
+        params = [item.seq.sampling_params for item in out.scheduled]
+        if all(p.greedy for p in params):
+            return last.argmax(-1).tolist()
         return [
-            sample(row, item.seq.sampling_params, item.seq.num_tokens)
-            for row, item in zip(last, out.scheduled, strict=True)
+            sample(row, p, item.seq.num_tokens)
+            for row, p, item in zip(last, params, out.scheduled, strict=True)
         ]
 
 

@@ -27,12 +27,16 @@ def store_kvcache(
     v_cache[slots // block_size, slots % block_size] = value[keep].to(v_cache.dtype)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first ``num_tokens`` cached tokens of one sequence: ``[num_tokens, kv_heads, dim]``."""
-    block_size = cache.shape[1]
-    positions = torch.arange(num_tokens, device=cache.device)
-    blocks = block_table[positions // block_size].long()
-    return cache[blocks, positions % block_size]
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Each sequence's cached tokens in logical order: ``[batch, kv_heads, width, head_dim]``.
+
+    ``width`` is the table width times the block size; a -1 (padding) entry reads block 0, so
+    callers mask every position at or past a sequence's context length.
+    """
+    batch, num_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = cache.index_select(0, block_tables.clamp(min=0).long().flatten())
+    return blocks.view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def paged_decode_attention(
@@ -48,11 +52,15 @@ def paged_decode_attention(
     ``query``: ``[batch, num_heads, head_dim]``; ``context_lens[i]``: tokens cached for sequence
     i, the new one included. Query head h reads KV head ``h // (num_heads // num_kv_heads)``
     (grouped-query attention). Returns ``[batch, num_heads, head_dim]`` in the query's dtype.
+    The whole batch at once: the slots past each sequence's context are masked out.
     """
-    one_each = torch.arange(query.shape[0] + 1, device=query.device)
-    return paged_prefill_attention(
-        query, k_cache, v_cache, one_each, block_tables, context_lens, scale
-    )
+    batch, num_heads, head_dim = query.shape
+    keys, values = gather_blocks(k_cache, block_tables), gather_blocks(v_cache, block_tables)
+    num_kv_heads, width = keys.shape[1], keys.shape[2]
+    cached = torch.arange(width, device=query.device)[None, :] < context_lens[:, None]
+    grouped = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = _attention(grouped, keys, values, cached[:, None, None, :], scale)
+    return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
 def paged_prefill_attention(
@@ -72,14 +80,25 @@ def paged_prefill_attention(
     and attends to every position up to its own. Returns ``[total_new_tokens, heads, head_dim]``.
     """
     out = torch.empty_like(query)
-    group = query.shape[1] // k_cache.shape[2]
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
     for i in range(len(context_lens)):
         start, end, context = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(context_lens[i])
-        keys = gather_kv(k_cache, block_tables[i], context).float().repeat_interleave(group, dim=1)
-        values = gather_kv(v_cache, block_tables[i], context).float().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,nhd->hqn", query[start:end].float(), keys) * scale
-        positions = torch.arange(context - (end - start), context, device=query.device)
-        future = torch.arange(context, device=query.device)[None, :] > positions[:, None]
-        scores = scores.masked_fill(future, float("-inf"))
-        out[start:end] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), values).to(query.dtype)
+        new = end - start
+        keys = gather_blocks(k_cache, block_tables[i : i + 1])[0, :, :context]
+        values = gather_blocks(v_cache, block_tables[i : i + 1])[0, :, :context]
+        positions = torch.arange(context - new, context, device=query.device)
+        visible = torch.arange(context, device=query.device)[None, :] <= positions[:, None]
+        # rows of one KV head's query group, each group's new tokens one after the other
+        grouped = query[start:end].transpose(0, 1).reshape(num_kv_heads, group * new, head_dim)
+        rows = _attention(grouped, keys, values, visible.repeat(group, 1), scale)
+        out[start:end] = rows.view(num_heads, new, head_dim).transpose(0, 1).to(query.dtype)
     return out
+
+
+def _attention(query, keys, values, visible, scale) -> torch.Tensor:
+    """Softmax attention in fp32; ``visible`` says which key each query row may read."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        query.float(), keys.float(), values.float(), attn_mask=visible, scale=scale
+    )

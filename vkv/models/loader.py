@@ -1,5 +1,9 @@
 """Load a Hugging Face checkpoint folder from disk: ``config.json``, ``*.safetensors`` and, if
-present, ``tokenizer.json`` (through the ``tokenizers`` library). Nothing is downloaded."""
+present, ``tokenizer.json`` (through the ``tokenizers`` library). Nothing is downloaded.
+
+``DEFAULT_MODEL`` is ``vkv-tiny``, the checkpoint shipped inside the package (a 3.2M-parameter
+byte-level Qwen3 trained on the Python standard library by ``scripts/train_vkv_tiny.py``).
+"""
 
 import json
 from pathlib import Path
@@ -10,16 +14,19 @@ from tokenizers import Tokenizer
 
 from vkv.models.qwen3 import CausalLM, ModelConfig
 
+DEFAULT_MODEL = Path(__file__).with_name("vkv-tiny")
+
 
 def load_checkpoint(
-    path: str | Path, dtype: torch.dtype, device: torch.device
+    path: str | Path | None, dtype: torch.dtype, device: torch.device
 ) -> tuple[CausalLM, Tokenizer | None, int | None]:
-    """The model, its tokenizer (None without ``tokenizer.json``) and its EOS token id.
+    """The model at ``path`` (None: ``DEFAULT_MODEL``), its tokenizer (None without
+    ``tokenizer.json``) and its EOS token id.
 
     Raises ``FileNotFoundError`` for a folder without ``config.json`` or weights, and
     ``ValueError`` for an architecture other than Qwen3 or Llama.
     """
-    folder = Path(path)
+    folder = Path(path) if path is not None else DEFAULT_MODEL
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a checkpoint folder: config.json is missing")
     hf_config = json.loads((folder / "config.json").read_text())

@@ -39,6 +39,10 @@ class ModelConfig:
         if not {"Qwen3ForCausalLM", "LlamaForCausalLM"} & set(architectures):
             raise ValueError(f"unsupported architecture {architectures}: Qwen3 or Llama only")
         heads = config["num_attention_heads"]
+        # transformers 5 writes ``rope_parameters``; older checkpoints (Qwen3-0.6B) ``rope_theta``
+        rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10_000.0)}
+        if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
+            raise ValueError(f"unsupported rotary scaling {rope}: plain RoPE only")
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -48,7 +52,7 @@ class ModelConfig:
             num_kv_heads=config.get("num_key_value_heads", heads),
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=config.get("rope_theta", 10_000.0),
+            rope_theta=rope["rope_theta"],
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             qk_norm="Qwen3ForCausalLM" in architectures,
             attention_bias=config.get("attention_bias", False),
@@ -78,16 +82,23 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding, half-split convention: ``x`` is ``[tokens, heads, head_dim]``."""
-    dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+def rotary_angles(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine of each position's rotary angles, ``[tokens, 1, head_dim]`` each (the
+    half-split convention: dimension ``i`` and ``i + head_dim / 2`` rotate together)."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+    angles = positions.float()[:, None] * (1.0 / theta ** (exponents / head_dim))[None, :]
+    angles = torch.cat([angles, angles], -1)[:, None, :]
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` ``[tokens, heads, head_dim]``."""
+    half = x.shape[-1] // 2
     x32 = x.float()
-    half = torch.cat([-x32[..., dim // 2 :], x32[..., : dim // 2]], -1)
-    return (x32 * cos + half * sin).to(x.dtype)
+    turned = torch.cat([-x32[..., half:], x32[..., :half]], -1)
+    return (x32 * cos + turned * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -105,7 +116,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
@@ -118,7 +129,7 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        q, k = rotate(q, *rotary), rotate(k, *rotary)
         k_cache, v_cache = cache
         backend.store_kvcache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
         scale = c.head_dim**-0.5
@@ -158,10 +169,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions, hidden, cache, meta, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), cache, meta, backend
-        )
+    def forward(self, rotary, hidden, cache, meta, backend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), cache, meta, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -193,6 +202,7 @@ class CausalLM(nn.Module):
         backend: ModuleType,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        rotary = rotary_angles(positions, self.config.head_dim, self.config.rope_theta)
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            hidden = layer(positions, hidden, cache, meta, backend)
+            hidden = layer(rotary, hidden, cache, meta, backend)
         return self.lm_head(self.model.norm(hidden))

@@ -1,0 +1,203 @@
+"""``vkv demo``: watch paged KV memory at work on the built-in model.
+
+A batch of Python prompts of mixed lengths is served by vkv-tiny with a KV cache deliberately
+too small to hold them all at once, so the scheduler has to queue requests, preempt running
+ones (by swapping their blocks to the CPU pool, or by dropping them to recompute later) and
+resume them. Every step the view shows the queues, both block pools (each block coloured by the
+request that owns it: a request's blocks are scattered, not contiguous) and each request's
+progress. A summary ends the run.
+"""
+
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from vkv.engine.llm_engine import LLMEngine
+from vkv.engine.sequence import Sequence, SequenceStatus
+from vkv.sampling_params import SamplingParams
+
+PROMPTS = [
+    "import os\n",
+    "def fibonacci(n):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "    for line in lines:\n        if not line.strip():\n            continue\n",
+    'def read_config(path):\n    """Return the settings stored in the file at path."""\n',
+    "        except KeyError:\n            raise ValueError(",
+    "import sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv\n",
+    "    def __repr__(self):\n        return ",
+    '"""Utilities for parsing and formatting dates."""\n\nimport time\n\n__all__ = [',
+    "def _check_arg(value, name):\n    if not isinstance(value, int):\n        raise TypeError(",
+    "class Error(Exception):\n    pass\n\n\nclass Parser:\n    def __init__(self, text):\n",
+    "    return result\n\n\ndef ",
+]
+PALETTE = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green"]
+PALETTE += ["bright_yellow", "bright_blue", "bright_magenta", "bright_cyan", "orange3", "purple"]
+REFRESH_SECONDS = 0.25
+STATES = {
+    SequenceStatus.WAITING: "waiting",
+    SequenceStatus.RUNNING: "running",
+    SequenceStatus.SWAPPED: "swapped",
+}
+
+
+@dataclass(slots=True)
+class DemoSummary:
+    requests: int
+    generated_tokens: int
+    seconds: float
+    steps: int
+    preemptions: int
+    blocks_swapped_out: int
+    blocks_swapped_in: int
+    peak_gpu_kv_usage: float
+    mean_running: float
+    sample: tuple[str, str] = field(default=("", ""))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+def run_demo(
+    console: Console,
+    *,
+    model: str | None = None,
+    requests: int = 24,
+    gpu_blocks: int = 48,
+    cpu_blocks: int = 64,
+    block_size: int = 16,
+    preemption_mode: str = "swap",
+    max_tokens: int = 160,
+    live: bool = True,
+) -> DemoSummary:
+    """Serve ``requests`` prompts and show each step; return what happened."""
+    engine = LLMEngine(
+        model,
+        block_size=block_size,
+        num_gpu_blocks=gpu_blocks,
+        num_cpu_blocks=cpu_blocks,
+        preemption_mode=preemption_mode,
+        max_model_len=gpu_blocks * block_size,
+    )
+    lengths = random.Random(0)
+    for i in range(requests):
+        params = SamplingParams(
+            temperature=0.7,
+            top_p=0.95,
+            max_tokens=lengths.randint(max(1, max_tokens // 4), max_tokens),
+            seed=i,
+        )
+        engine.add_request(PROMPTS[i % len(PROMPTS)], params)
+    seqs = [engine.sequence(i) for i in range(requests)]
+    history: list[dict[str, float]] = []
+    started = shown = time.perf_counter()
+    with Live(console=console, auto_refresh=False) if live else nullcontext() as view:
+        while engine.has_unfinished_requests():
+            engine.step()
+            history.append(dict(engine.stats))
+            if live and time.perf_counter() - shown >= REFRESH_SECONDS:
+                view.update(_render(engine, seqs, history, started), refresh=True)
+                shown = time.perf_counter()
+        if live:
+            view.update(_render(engine, seqs, history, started), refresh=True)
+    seconds = time.perf_counter() - started
+    summary = DemoSummary(
+        requests=requests,
+        generated_tokens=sum(seq.num_completion_tokens for seq in seqs),
+        seconds=seconds,
+        steps=len(history),
+        preemptions=engine.scheduler.num_preemptions,
+        blocks_swapped_out=int(sum(s["blocks_swapped_out"] for s in history)),
+        blocks_swapped_in=int(sum(s["blocks_swapped_in"] for s in history)),
+        peak_gpu_kv_usage=max(s["gpu_kv_usage"] for s in history),
+        mean_running=sum(s["running"] for s in history) / len(history),
+        sample=(PROMPTS[0], engine.decode(seqs[0].completion_token_ids)),
+    )
+    console.print(_summary_table(summary, engine))
+    return summary
+
+
+def _render(engine: LLMEngine, seqs: list[Sequence], history: list[dict], started: float) -> Group:
+    stats = history[-1]
+    finished = sum(seq.is_finished for seq in seqs)
+    generated = sum(seq.num_completion_tokens for seq in seqs)
+    elapsed = time.perf_counter() - started
+    header = Text.assemble(
+        (f"step {len(history)}", "bold"),
+        f"   running {stats['running']:.0f}   waiting {stats['waiting']:.0f}"
+        f"   swapped {stats['swapped']:.0f}   finished {finished}/{len(seqs)}"
+        f"   preemptions {stats['preemptions']:.0f}"
+        f"   {generated / elapsed if elapsed else 0:.0f} tokens/s",
+    )
+    manager = engine.scheduler.block_manager
+    gpu = _block_map(seqs, SequenceStatus.RUNNING, manager.num_gpu_blocks)
+    cpu = _block_map(seqs, SequenceStatus.SWAPPED, engine.config.num_cpu_blocks)
+    pools = Group(
+        Text(f"GPU blocks ({stats['gpu_kv_usage']:.0%} used)", style="bold"),
+        gpu,
+        Text(f"CPU swap blocks ({stats['cpu_kv_usage']:.0%} used)", style="bold"),
+        cpu,
+    )
+    return Group(header, Panel(pools, title="KV cache"), _request_table(engine, seqs))
+
+
+def _block_map(seqs: list[Sequence], status: SequenceStatus, num_blocks: int) -> Text:
+    """One cell per physical block of a pool, coloured by the request holding it."""
+    owner = {block: seq.seq_id for seq in seqs if seq.status == status for block in seq.block_table}
+    text = Text()
+    for block in range(num_blocks):
+        if block in owner:
+            text.append("■ ", style=PALETTE[owner[block] % len(PALETTE)])
+        else:
+            text.append("· ", style="dim")
+        if block % 32 == 31:
+            text.append("\n")
+    return text
+
+
+def _request_table(engine: LLMEngine, seqs: list[Sequence], rows: int = 12) -> Table:
+    table = Table(box=None, pad_edge=False, expand=True)
+    for column in ("req", "state", "prompt", "generated", "blocks", "latest text"):
+        table.add_column(column, no_wrap=True, overflow="ellipsis")
+    active = [seq for seq in seqs if not seq.is_finished]
+    active.sort(key=lambda seq: (seq.status != SequenceStatus.RUNNING, seq.seq_id))
+    for seq in active[:rows]:
+        tail = engine.decode(seq.completion_token_ids[-48:]).replace("\n", "⏎")
+        table.add_row(
+            Text(str(seq.seq_id), style=PALETTE[seq.seq_id % len(PALETTE)]),
+            STATES.get(seq.status, "finished"),
+            str(len(seq.prompt_token_ids)),
+            f"{seq.num_completion_tokens}/{seq.sampling_params.max_tokens}",
+            str(len(seq.block_table)),
+            Text(tail),
+        )
+    return table
+
+
+def _summary_table(summary: DemoSummary, engine: LLMEngine) -> Table:
+    config = engine.config
+    table = Table(title="vkv demo: summary", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    rows = {
+        "KV cache": f"{config.num_gpu_blocks} GPU blocks + {config.num_cpu_blocks} CPU blocks "
+        f"of {config.block_size} tokens, preemption by {config.preemption_mode.value}",
+        "requests": str(summary.requests),
+        "generated tokens": f"{summary.generated_tokens:,}",
+        "wall time": f"{summary.seconds:.1f} s ({summary.tokens_per_second:,.0f} tokens/s)",
+        "steps": f"{summary.steps} (mean running batch {summary.mean_running:.1f})",
+        "preemptions": str(summary.preemptions),
+        "blocks swapped out / in": f"{summary.blocks_swapped_out} / {summary.blocks_swapped_in}",
+        "peak GPU KV usage": f"{summary.peak_gpu_kv_usage:.0%}",
+        "request 0": Text(summary.sample[0] + summary.sample[1]),
+    }
+    for name, value in rows.items():
+        table.add_row(name, value)
+    return table
