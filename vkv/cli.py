@@ -72,13 +72,16 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         max_model_len=args.max_model_len,
         backend=args.backend,
     )
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-    )
+    params = [
+        SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed + i,
+        )
+        for i in range(len(args.prompts))
+    ]
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
         console.print(output["text"], markup=False, highlight=False)
@@ -117,8 +120,12 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         max_num_seqs=args.max_num_seqs,
         hf_batch=args.hf_batch,
         seed=args.seed,
+        repeat=args.repeat,
     )
-    table = Table(title=f"vkv bench e2e: {result.requests} requests, {result.threads} threads")
+    table = Table(
+        title=f"vkv bench e2e: {result.requests} requests, {result.threads} threads, "
+        f"fastest of {result.repeat} runs"
+    )
     for column in ("system", "seconds", "output tokens/s"):
         table.add_column(column, justify="right")
     table.add_row("vkv", f"{result.vkv_seconds:.2f}", f"{result.vkv_tokens_per_s:,.0f}")
@@ -208,10 +215,10 @@ def _parser() -> argparse.ArgumentParser:
         "--model", help="a Hugging Face checkpoint folder (default: the built-in vkv-tiny)"
     )
     generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     generate.add_argument("--top-k", type=int, default=-1)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--seed", type=int)
+    generate.add_argument("--top-p", type=float, default=0.95)
+    generate.add_argument("--seed", type=int, default=0, help="per request: prompt i gets seed+i")
     generate.add_argument("--block-size", type=int, default=16)
     generate.add_argument(
         "--kv-budget-mb", type=float, help="KV cache size (default: 256 MiB on a CPU)"
@@ -247,6 +254,7 @@ def _parser() -> argparse.ArgumentParser:
     e2e.add_argument("--max-num-seqs", type=int, default=64)
     e2e.add_argument("--hf-batch", type=int, default=64, help="transformers' static batch size")
     e2e.add_argument("--seed", type=int, default=0)
+    e2e.add_argument("--repeat", type=int, default=5, help="interleaved runs; the fastest counts")
     e2e.add_argument("--output", help="also write the result as JSON here")
     e2e.set_defaults(run=_bench)
 

@@ -118,10 +118,17 @@ def run_demo(
         blocks_swapped_in=int(sum(s["blocks_swapped_in"] for s in history)),
         peak_gpu_kv_usage=max(s["gpu_kv_usage"] for s in history),
         mean_running=sum(s["running"] for s in history) / len(history),
-        sample=(PROMPTS[0], engine.decode(seqs[0].completion_token_ids)),
+        sample=_longest(engine, seqs),
     )
     console.print(_summary_table(summary, engine))
     return summary
+
+
+def _longest(engine: LLMEngine, seqs: list[Sequence], lines: int = 12) -> tuple[str, str]:
+    """The prompt and the first ``lines`` lines of the longest completion."""
+    seq = max(seqs, key=lambda seq: seq.num_completion_tokens)
+    completion = engine.decode(seq.completion_token_ids)
+    return engine.decode(seq.prompt_token_ids), "\n".join(completion.split("\n")[:lines])
 
 
 def _render(engine: LLMEngine, seqs: list[Sequence], history: list[dict], started: float) -> Group:
@@ -157,7 +164,7 @@ def _block_map(seqs: list[Sequence], status: SequenceStatus, num_blocks: int) ->
             text.append("■ ", style=PALETTE[owner[block] % len(PALETTE)])
         else:
             text.append("· ", style="dim")
-        if block % 32 == 31:
+        if block % 32 == 31 and block + 1 < num_blocks:
             text.append("\n")
     return text
 
@@ -196,7 +203,7 @@ def _summary_table(summary: DemoSummary, engine: LLMEngine) -> Table:
         "preemptions": str(summary.preemptions),
         "blocks swapped out / in": f"{summary.blocks_swapped_out} / {summary.blocks_swapped_in}",
         "peak GPU KV usage": f"{summary.peak_gpu_kv_usage:.0%}",
-        "request 0": Text(summary.sample[0] + summary.sample[1]),
+        "longest completion": Text.assemble((summary.sample[0], "bold"), summary.sample[1]),
     }
     for name, value in rows.items():
         table.add_row(name, value)

@@ -93,7 +93,18 @@ def test_vkv_generate_command(checkpoint, capsys):
 
     folder, hf, tokenizer = checkpoint
     code = main(
-        ["generate", "def f", "--model", str(folder), "--max-tokens", "4", "--block-size", "4"]
+        [
+            "generate",
+            "def f",
+            "--model",
+            str(folder),
+            "--max-tokens",
+            "4",
+            "--block-size",
+            "4",
+            "--temperature",
+            "0",
+        ]
     )
     assert code == 0
     expected = tokenizer.decode(greedy(hf, tokenizer.encode("def f").ids, 4))

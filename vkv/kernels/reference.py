@@ -20,11 +20,10 @@ def store_kvcache(
 
     A slot of -1 (padding) is skipped.
     """
-    block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache[slots // block_size, slots % block_size] = key[keep].to(k_cache.dtype)
-    v_cache[slots // block_size, slots % block_size] = value[keep].to(v_cache.dtype)
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

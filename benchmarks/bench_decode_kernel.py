@@ -1,0 +1,105 @@
+"""GPU only: the paged decode kernel's achieved memory bandwidth against the device's copy
+bandwidth.
+
+Batch 64, context 4096, 8 KV heads (32 query heads), head_dim 128, fp16, block size 16, block
+tables shuffled over the pool. Achieved bandwidth = bytes of K and V the step must read
+(batch x context x kv_heads x head_dim x 2 tensors x 2 bytes) / time. The device's bandwidth
+is measured in the same run with a 2 GiB device-to-device copy (bytes read + bytes written /
+time). Rows: the Triton split-K kernel at its default split and at a few others, and the
+PyTorch reference (which gathers every block first). Times are medians of CUDA-event timings.
+
+    python benchmarks/bench_decode_kernel.py [--out DIR]
+
+Without CUDA it says so and exits: there are no GPU figures to report.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from vkv.kernels import reference, triton_attention
+
+BATCH, CONTEXT, KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 64, 4096, 8, 4, 128, 16
+
+
+def median_ms(run, repeat: int = 20) -> float:
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    source = torch.empty(1 << 30, dtype=torch.float16, device="cuda")
+    target = torch.empty_like(source)
+    ms = median_ms(lambda: target.copy_(source))
+    return 2 * source.numel() * source.element_size() / (ms / 1e3)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: the decode kernel's bandwidth is unmeasured here")
+        return 0
+    torch.manual_seed(0)
+    blocks_per_seq = CONTEXT // BLOCK_SIZE
+    num_blocks = BATCH * blocks_per_seq
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
+    v_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
+    tables = torch.randperm(num_blocks, device="cuda").view(BATCH, blocks_per_seq).int()
+    lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32, device="cuda")
+    query = torch.randn(BATCH, KV_HEADS * GROUP, HEAD_DIM, dtype=torch.float16, device="cuda")
+    scale = HEAD_DIM**-0.5
+    kv_bytes = 2 * BATCH * CONTEXT * KV_HEADS * HEAD_DIM * 2
+
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+    got = triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+    error = float((got.float() - expected.float()).abs().max())
+    peak = copy_bandwidth()
+    rows = []
+    candidates = [("triton, default split", None)] + [
+        (f"triton, {n} splits", n) for n in (1, 4, 8, 16, 32)
+    ]
+    for name, splits in candidates:
+        ms = median_ms(
+            lambda s=splits: triton_attention.paged_decode_attention(
+                query, k_cache, v_cache, tables, lens, scale, num_splits=s
+            )
+        )
+        rows.append({"kernel": name, "ms": ms, "gb_per_s": kv_bytes / (ms / 1e3) / 1e9})
+    ms = median_ms(
+        lambda: reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+    )
+    rows.append({"kernel": "torch reference", "ms": ms, "gb_per_s": kv_bytes / (ms / 1e3) / 1e9})
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {peak / 1e9:,.0f} GB/s")
+    print(f"K/V read per step: {kv_bytes / 2**30:.2f} GiB; max |triton - torch| = {error:.2e}")
+    for row in rows:
+        row["share_of_copy_bandwidth"] = row["gb_per_s"] * 1e9 / peak
+        print(
+            f"{row['kernel']:>24}: {row['ms']:8.3f} ms  {row['gb_per_s']:8,.0f} GB/s  "
+            f"{row['share_of_copy_bandwidth']:6.1%} of copy"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "copy_gb_per_s": peak / 1e9, "rows": rows}
+    (out / "decode_kernel.json").write_text(json.dumps(result | {"max_error": error}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The built-in vkv-tiny checkpoint, and the commands that run on it: ``vkv generate``,
+``vkv demo`` and ``vkv bench e2e``."""
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from tiny_checkpoints import greedy_by_recompute
+from transformers import AutoModelForCausalLM
+
+from vkv import LLM, SamplingParams
+from vkv.bench import run_e2e
+from vkv.cli import main
+from vkv.demo import run_demo
+from vkv.engine.llm_engine import INCOMPLETE_CHARACTER, LLMEngine
+from vkv.models.loader import DEFAULT_MODEL
+
+PROMPT = "def fibonacci(n):\n"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+def test_vkv_tiny_is_a_small_byte_level_checkpoint_with_its_training_report():
+    weights = DEFAULT_MODEL / "model.safetensors"
+    assert weights.stat().st_size <= 20 * 2**20
+    report = json.loads((DEFAULT_MODEL / "training.json").read_text())
+    assert report["held_out_bits_per_byte"] < 2.0, report
+    config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["vocab_size"] == 257
+
+
+def test_default_model_generates_what_transformers_generates(llm):
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    prompt = list(PROMPT.encode())
+    [output] = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=40), False)
+    assert output["token_ids"] == greedy_by_recompute(hf, prompt, 40, eos=256)
+    assert output["text"] == bytes(output["token_ids"]).decode("utf-8", "replace")
+
+
+def test_vkv_tiny_writes_python(llm):
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=96, seed=s) for s in range(4)]
+    text = "".join(output["text"] for output in llm.generate([PROMPT] * 4, params, False))
+    assert all(word in text for word in ("self", "return", "if ", "    ")), text
+    assert sum(c.isprintable() or c in "\n" for c in text) >= 0.98 * len(text)
+
+
+def test_streaming_never_emits_half_a_character(llm, monkeypatch):
+    engine = llm.engine
+    script = iter("é→!".encode())  # two- and three-byte characters, one byte a step
+    monkeypatch.setattr(engine.runner, "run", lambda out: [next(script) for _ in out.scheduled])
+    engine.add_request("#", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    pieces = []
+    while engine.has_unfinished_requests():
+        pieces += [output.new_text for output in engine.step()]
+    assert pieces == ["", "é", "", "", "→", "!"]
+    assert INCOMPLETE_CHARACTER not in "".join(pieces)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_demo_preempts_and_finishes_every_request(mode):
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    summary = run_demo(
+        console,
+        requests=8,
+        gpu_blocks=10,
+        cpu_blocks=16,
+        preemption_mode=mode,
+        max_tokens=64,
+    )
+    assert summary.preemptions > 0
+    assert 8 * 16 <= summary.generated_tokens <= 8 * 64
+    swapped = (summary.blocks_swapped_out, summary.blocks_swapped_in)
+    if mode == "swap":
+        assert swapped[0] == swapped[1] > 0
+    else:
+        assert swapped == (0, 0)
+    shown = console.file.getvalue()
+    assert "GPU blocks" in shown and "vkv demo: summary" in shown
+
+
+def test_demo_and_generate_commands(capsys):
+    assert main(["demo", "--requests", "3", "--max-tokens", "8", "--no-live"]) == 0
+    assert "vkv demo: summary" in capsys.readouterr().out
+    assert main(["generate", PROMPT, "--max-tokens", "8"]) == 0
+    assert PROMPT.strip() in capsys.readouterr().out
+
+
+def test_bench_e2e_compares_like_with_like():
+    result = run_e2e(
+        num_requests=6,
+        prompt_lens=(4, 40),
+        output_lens=(2, 12),
+        max_num_seqs=4,
+        hf_batch=3,
+        repeat=1,
+    )
+    assert result.identical_completions == 6
+    assert result.output_tokens == round(result.vkv_tokens_per_s * result.vkv_seconds)
+    assert 0.0 <= result.overhead_share < 1.0
+
+
+def test_engine_rejects_a_kv_budget_without_a_block():
+    with pytest.raises(ValueError, match="holds no block"):
+        LLMEngine(kv_cache_bytes=1024)
