@@ -107,3 +107,14 @@ def test_bench_e2e_compares_like_with_like():
 def test_engine_rejects_a_kv_budget_without_a_block():
     with pytest.raises(ValueError, match="holds no block"):
         LLMEngine(kv_cache_bytes=1024)
+
+
+def test_demo_on_a_stubbed_edition_names_the_part(monkeypatch, capsys):
+    from vkv.engine.block_manager import BlockManager
+
+    def stub(self, seq):
+        raise NotImplementedError("part 1.3: BlockManager.can_allocate")
+
+    monkeypatch.setattr(BlockManager, "can_allocate", stub)
+    assert main(["demo", "--requests", "2", "--no-live"]) == 2
+    assert "runs on your BlockManager and Scheduler: part 1.3" in capsys.readouterr().out
