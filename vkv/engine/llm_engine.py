@@ -152,7 +152,13 @@ class LLMEngine:
         return not self.scheduler.is_finished()
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; what each request it touched gained."""
+        """One scheduler step; what each request it touched gained.
+
+        ``stats`` then holds the queues (running, waiting, swapped), the KV usage of each pool,
+        the preemptions so far, the blocks this step swapped out and in, its batched tokens and
+        tokens per second, and its wall time with the model's part of it (step_seconds,
+        model_seconds).
+        """
         started = time.perf_counter()
         out = self.scheduler.schedule()
         self.scheduler.postprocess(out.scheduled, self.runner.run(out))
