@@ -34,12 +34,15 @@ def test_vkv_tiny_is_a_small_byte_level_checkpoint_with_its_training_report():
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["vocab_size"] == 257
 
 
-def test_default_model_generates_what_transformers_generates(llm):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_default_model_generates_what_transformers_generates(llm, backend):
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    prompt = list(PROMPT.encode())
-    [output] = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=40), False)
-    assert output["token_ids"] == greedy_by_recompute(hf, prompt, 40, eos=256)
-    assert output["text"] == bytes(output["token_ids"]).decode("utf-8", "replace")
+    engine = llm if backend == "torch" else LLM(backend=backend, kv_cache_bytes=4 << 20)
+    prompts = [PROMPT, "import os\n"]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    for prompt, output in zip(prompts, engine.generate(prompts, params, False), strict=True):
+        assert output["token_ids"] == greedy_by_recompute(hf, list(prompt.encode()), 24, eos=256)
+        assert output["text"] == bytes(output["token_ids"]).decode("utf-8", "replace")
 
 
 def test_vkv_tiny_writes_python(llm):
