@@ -12,8 +12,8 @@ shared machine other work only ever slows a run down):
 
 Both count only the output tokens the requests asked for. Besides the throughputs and their
 ratio, the run reports the share of vkv's step time spent outside the model's forward
-(scheduling, block management, input preparation, sampling, detokenization) over the steps with
-``max_num_seqs`` sequences running, and how many completions the two produced identically.
+(scheduling, block management, input preparation, sampling, detokenization) over the decode steps
+of ``max_num_seqs`` sequences, and how many completions the two produced identically.
 Prompts are windows of this package's own source bytes, so nothing is downloaded.
 """
 
@@ -89,15 +89,16 @@ class VkvRun:
     steps: list[dict[str, float]]  # the engine's stats after each step
 
     def overhead_share(self, full_batch: int | None = None) -> float:
-        """The share of step time outside the model's forward (over the steps that decoded
-        ``full_batch`` sequences with none waiting, if given)."""
-        steps = [
-            s
-            for s in self.steps
-            if full_batch is None or (s["running"] == full_batch and s["waiting"] == 0)
-        ]
+        """The share of step time outside the model's forward (over the decode steps of
+        ``full_batch`` sequences, if given)."""
+        steps = [s for s in self.steps if full_batch is None or is_full_decode(s, full_batch)]
         total = sum(s["step_seconds"] for s in steps)
         return 1.0 - sum(s["model_seconds"] for s in steps) / total if total else float("nan")
+
+
+def is_full_decode(stats: dict[str, float], full_batch: int) -> bool:
+    """Whether a step decoded one token for each of ``full_batch`` running sequences."""
+    return stats["running"] == full_batch and stats["batched_tokens"] == full_batch
 
 
 def run_vkv(engine: LLMEngine, workload: Workload) -> VkvRun:
@@ -118,9 +119,12 @@ def run_vkv(engine: LLMEngine, workload: Workload) -> VkvRun:
 def run_transformers(
     model, workload: Workload, batch: int, pad_token_id: int
 ) -> tuple[float, list[list[int]]]:
-    """Seconds and completions of static, left-padded batches through ``generate``."""
+    """Seconds and completions of static, left-padded batches through ``generate``, which
+    never stops at EOS (``ignore_eos``, as the vkv requests are)."""
     from transformers import GenerationConfig
 
+    # generate fills every option left unset from the model's own generation config: clear EOS
+    model.generation_config.eos_token_id = None
     completions: list[list[int]] = []
     started = time.perf_counter()
     for first in range(0, len(workload.prompts), batch):
@@ -192,9 +196,7 @@ def run_e2e(
         vkv_steps=len(ours.steps),
         overhead_share=ours.overhead_share(),
         overhead_share_full_batch=ours.overhead_share(max_num_seqs),
-        full_batch_steps=sum(
-            s["running"] == max_num_seqs and s["waiting"] == 0 for s in ours.steps
-        ),
+        full_batch_steps=sum(is_full_decode(s, max_num_seqs) for s in ours.steps),
         identical_completions=sum(a == b for a, b in zip(ours.completions, hf_out, strict=True)),
         hf_batch=hf_batch,
         max_num_seqs=max_num_seqs,

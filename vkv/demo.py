@@ -10,6 +10,7 @@ progress. A summary ends the run.
 
 import random
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from vkv.engine.llm_engine import LLMEngine
+from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.sampling_params import SamplingParams
 
@@ -58,6 +59,7 @@ class DemoSummary:
     blocks_swapped_in: int
     peak_gpu_kv_usage: float
     mean_running: float
+    finish_reasons: dict[str, int]
     sample: tuple[str, str] = field(default=("", ""))
 
     @property
@@ -78,6 +80,8 @@ def run_demo(
     live: bool = True,
 ) -> DemoSummary:
     """Serve ``requests`` prompts and show each step; return what happened."""
+    if requests < 1:
+        raise ValueError(f"the demo needs at least one request, got {requests}")
     engine = LLMEngine(
         model,
         block_size=block_size,
@@ -118,6 +122,7 @@ def run_demo(
         blocks_swapped_in=int(sum(s["blocks_swapped_in"] for s in history)),
         peak_gpu_kv_usage=max(s["gpu_kv_usage"] for s in history),
         mean_running=sum(s["running"] for s in history) / len(history),
+        finish_reasons=dict(Counter(FINISH_REASONS[seq.status] for seq in seqs)),
         sample=_longest(engine, seqs),
     )
     console.print(_summary_table(summary, engine))
@@ -147,7 +152,9 @@ def _render(engine: LLMEngine, seqs: list[Sequence], history: list[dict], starte
     gpu = _block_map(seqs, SequenceStatus.RUNNING, manager.num_gpu_blocks)
     cpu = _block_map(seqs, SequenceStatus.SWAPPED, engine.config.num_cpu_blocks)
     pools = Group(
-        Text(f"GPU blocks ({stats['gpu_kv_usage']:.0%} used)", style="bold"),
+        Text(
+            f"GPU blocks, here on {engine.device} ({stats['gpu_kv_usage']:.0%} used)", style="bold"
+        ),
         gpu,
         Text(f"CPU swap blocks ({stats['cpu_kv_usage']:.0%} used)", style="bold"),
         cpu,
@@ -196,7 +203,10 @@ def _summary_table(summary: DemoSummary, engine: LLMEngine) -> Table:
     rows = {
         "KV cache": f"{config.num_gpu_blocks} GPU blocks + {config.num_cpu_blocks} CPU blocks "
         f"of {config.block_size} tokens, preemption by {config.preemption_mode.value}",
-        "requests": str(summary.requests),
+        "requests": f"{summary.requests}, finished by "
+        + ", ".join(
+            f"{reason} {count}" for reason, count in sorted(summary.finish_reasons.items())
+        ),
         "generated tokens": f"{summary.generated_tokens:,}",
         "wall time": f"{summary.seconds:.1f} s ({summary.tokens_per_second:,.0f} tokens/s)",
         "steps": f"{summary.steps} (mean running batch {summary.mean_running:.1f})",

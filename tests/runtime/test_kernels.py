@@ -5,6 +5,8 @@ non-power of two, GQA ratios 1 and 4, fp32 and fp16, ragged lengths. On a CPU th
 kernels run under the interpreter, so the shapes stay tiny and the tiles large.
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -149,3 +151,32 @@ def test_paged_prefill_matches_reference_and_dense(dtype, num_heads, num_kv_head
         block_n=32,
     )
     torch.testing.assert_close(kernel.cpu().float(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_reference_works_in_and_out_of_inference_mode():
+    """The reference reuses its gather buffers (one set per thread). One made under inference
+    mode must not break a later call outside it (the model under no_grad after the engine ran);
+    a fresh thread starts with no buffers, so the first call below makes them."""
+    k_cache, v_cache = torch.randn(2, 64, 4, 2, 16).unbind(0)
+    tables = torch.arange(64).view(4, 16).int()
+    query = torch.randn(4, 4, 16)
+    lens = torch.tensor([60, 3, 64, 17], dtype=torch.int32)
+    results = []
+
+    def run() -> None:
+        with torch.inference_mode():
+            results.append(
+                reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.25)
+            )
+        with torch.no_grad():
+            results.append(
+                reference.paged_decode_attention(
+                    query[:2], k_cache, v_cache, tables[:2], lens[:2], 0.25
+                )
+            )
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(results) == 2, "the call outside inference mode raised"
+    torch.testing.assert_close(results[1], results[0][:2].clone())

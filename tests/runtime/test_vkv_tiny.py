@@ -11,7 +11,7 @@ from tiny_checkpoints import greedy_by_recompute
 from transformers import AutoModelForCausalLM
 
 from vkv import LLM, SamplingParams
-from vkv.bench import run_e2e
+from vkv.bench import Workload, run_e2e, run_transformers, run_vkv
 from vkv.cli import main
 from vkv.demo import run_demo
 from vkv.engine.llm_engine import INCOMPLETE_CHARACTER, LLMEngine
@@ -76,6 +76,8 @@ def test_demo_preempts_and_finishes_every_request(mode):
         max_tokens=64,
     )
     assert summary.preemptions > 0
+    assert sum(summary.finish_reasons.values()) == 8
+    assert set(summary.finish_reasons) <= {"stop", "length"}
     assert 8 * 16 <= summary.generated_tokens <= 8 * 64
     swapped = (summary.blocks_swapped_out, summary.blocks_swapped_in)
     if mode == "swap":
@@ -86,11 +88,15 @@ def test_demo_preempts_and_finishes_every_request(mode):
     assert "GPU blocks" in shown and "vkv demo: summary" in shown
 
 
-def test_demo_and_generate_commands(capsys):
+def test_demo_and_generate_commands(llm, capsys):
     assert main(["demo", "--requests", "3", "--max-tokens", "8", "--no-live"]) == 0
     assert "vkv demo: summary" in capsys.readouterr().out
+    assert main(["demo", "--requests", "0"]) == 2
+    assert "at least one request" in capsys.readouterr().out
     assert main(["generate", PROMPT, "--max-tokens", "8"]) == 0
-    assert PROMPT.strip() in capsys.readouterr().out
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=0)
+    [expected] = llm.generate([PROMPT], params, False)
+    assert PROMPT + expected["text"] in capsys.readouterr().out
 
 
 def test_bench_e2e_compares_like_with_like():
@@ -103,8 +109,18 @@ def test_bench_e2e_compares_like_with_like():
         repeat=1,
     )
     assert result.identical_completions == 6
-    assert result.output_tokens == round(result.vkv_tokens_per_s * result.vkv_seconds)
     assert 0.0 <= result.overhead_share < 1.0
+
+
+def test_both_sides_of_the_benchmark_generate_past_eos():
+    engine = LLMEngine(max_num_seqs=4)
+    workload = Workload.mixed(lambda text: list(text.encode()), 4, (8, 24), (20, 30))
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = 32  # a space: it would end every row early
+    _, hf_out = run_transformers(hf, workload, 2, pad_token_id=256)
+    ours = run_vkv(engine, workload).completions
+    assert [len(c) for c in hf_out] == [len(c) for c in ours] == workload.output_lens
+    assert hf_out == ours and any(32 in c for c in ours)
 
 
 def test_engine_rejects_a_kv_budget_without_a_block():

@@ -186,8 +186,8 @@ class LLMEngine:
         completion = seq.completion_token_ids
         sent, previous = self._streamed[seq.seq_id]
         text = self.decode(completion)
-        if not seq.is_finished:
-            text = text.removesuffix(INCOMPLETE_CHARACTER)  # wait for the character's last byte
+        if not seq.is_finished:  # wait for a character's last byte (one U+FFFD per byte, or one)
+            text = text.rstrip(INCOMPLETE_CHARACTER)
         self._streamed[seq.seq_id] = (len(completion), text)
         return RequestOutput(
             request_id=seq.seq_id,

@@ -6,6 +6,8 @@ Layout (vLLM's and nano-vLLM's): each layer's cache is a pair of tensors
 blocks in logical order, padded with -1 to the batch's widest table.
 """
 
+import threading
+
 import torch
 
 
@@ -42,20 +44,28 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, into: str) ->
     return out.view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
-_buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+class _Buffers(threading.local):
+    def __init__(self) -> None:
+        self.tensors: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+_buffers = _Buffers()
 
 
 def _reusable(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``numel`` elements of a flat buffer kept between calls (it only grows).
+    """``numel`` elements of a flat buffer kept between calls (per thread; it only grows).
 
     Gathering the blocks of a batch makes a tensor of megabytes per layer and step; allocated
     afresh each time, it costs page faults (the C allocator hands large freed blocks back to the
-    operating system), which made decode steps 10-20 % slower on a CPU.
+    operating system), which made decode steps 10-20 % slower on a CPU. The buffer is made
+    outside inference mode, so that calls in and out of ``torch.inference_mode`` can share it.
     """
+    buffers = _buffers.tensors
     key = (name, device, dtype)
-    if key not in _buffers or _buffers[key].numel() < numel:
-        _buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-    return _buffers[key][:numel]
+    if key not in buffers or buffers[key].numel() < numel:
+        with torch.inference_mode(False):
+            buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffers[key][:numel]
 
 
 def paged_decode_attention(
@@ -71,7 +81,9 @@ def paged_decode_attention(
     ``query``: ``[batch, num_heads, head_dim]``; ``context_lens[i]``: tokens cached for sequence
     i, the new one included. Query head h reads KV head ``h // (num_heads // num_kv_heads)``
     (grouped-query attention). Returns ``[batch, num_heads, head_dim]`` in the query's dtype.
-    The whole batch at once: the slots past each sequence's context are masked out.
+    The whole batch at once: each sequence's blocks are read whole and the slots past its
+    context masked out, so those slots must hold finite numbers (the CacheEngine zero-fills the
+    cache; a NaN there would survive the mask as 0 * NaN).
     """
     batch, num_heads, head_dim = query.shape
     keys = gather_blocks(k_cache, block_tables, into="keys")

@@ -52,7 +52,7 @@ class ModelConfig:
             num_kv_heads=config.get("num_key_value_heads", heads),
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope["rope_theta"],
+            rope_theta=rope.get("rope_theta", 10_000.0),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             qk_norm="Qwen3ForCausalLM" in architectures,
             attention_bias=config.get("attention_bias", False),
