@@ -12,7 +12,7 @@ import random
 import time
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -60,7 +60,7 @@ class DemoSummary:
     peak_gpu_kv_usage: float
     mean_running: float
     finish_reasons: dict[str, int]
-    sample: tuple[str, str] = field(default=("", ""))
+    sample: tuple[str, str]  # the longest completion's prompt and first lines
 
     @property
     def tokens_per_second(self) -> float:
@@ -111,9 +111,16 @@ def run_demo(
                 shown = time.perf_counter()
         if live:
             view.update(_render(engine, seqs, history, started), refresh=True)
-    seconds = time.perf_counter() - started
-    summary = DemoSummary(
-        requests=requests,
+    summary = _summarize(engine, seqs, history, time.perf_counter() - started)
+    console.print(_summary_table(summary, engine))
+    return summary
+
+
+def _summarize(
+    engine: LLMEngine, seqs: list[Sequence], history: list[dict], seconds: float
+) -> DemoSummary:
+    return DemoSummary(
+        requests=len(seqs),
         generated_tokens=sum(seq.num_completion_tokens for seq in seqs),
         seconds=seconds,
         steps=len(history),
@@ -125,8 +132,6 @@ def run_demo(
         finish_reasons=dict(Counter(FINISH_REASONS[seq.status] for seq in seqs)),
         sample=_longest(engine, seqs),
     )
-    console.print(_summary_table(summary, engine))
-    return summary
 
 
 def _longest(engine: LLMEngine, seqs: list[Sequence], lines: int = 12) -> tuple[str, str]:
