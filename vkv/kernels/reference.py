@@ -122,15 +122,21 @@ def paged_prefill_attention(
         values = gather_blocks(v_cache, block_tables[i : i + 1], into="values")[0, :, :context]
         positions = torch.arange(context - new, context, device=query.device)
         visible = torch.arange(context, device=query.device)[None, :] <= positions[:, None]
-        # rows of one KV head's query group, each group's new tokens one after the other
+        # per KV head, the rows of the query heads that read it: head after head, token rows
         grouped = query[start:end].transpose(0, 1).reshape(num_kv_heads, group * new, head_dim)
         rows = _attention(grouped, keys, values, visible.repeat(group, 1), scale)
         out[start:end] = rows.view(num_heads, new, head_dim).transpose(0, 1).to(query.dtype)
     return out
 
 
-def _attention(query, keys, values, visible, scale) -> torch.Tensor:
-    """Softmax attention in fp32; ``visible`` says which key each query row may read."""
+def _attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention in fp32; ``visible`` (boolean) says which keys each query row reads."""
     return torch.nn.functional.scaled_dot_product_attention(
         query.float(), keys.float(), values.float(), attn_mask=visible, scale=scale
     )
