@@ -21,6 +21,7 @@ PROMPTS = [
     [(7 * i) % 96 for i in range(60)],  # one block of 64 for the prompt, two at the end
 ]
 NEW_TOKENS = [9, 12, 6, 10]
+FINAL_LENS = [len(p) + n for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
 BLOCK_SIZES = [1, 16, 64]
 BACKENDS = pytest.mark.parametrize(
     "backend", [reference, triton_attention], ids=["torch", "triton"]
@@ -67,14 +68,13 @@ def generate(model, backend, block_size, num_gpu_blocks, **options):
 
 
 def ample_pool(block_size: int) -> int:
-    return sum(blocks_for(len(p) + n, block_size) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True))
+    return sum(blocks_for(length, block_size) for length in FINAL_LENS)
 
 
 def tight_pool(block_size: int) -> int:
     """Room for every prompt (and for the longest sequence), not for every completion."""
     prompts = sum(blocks_for(len(p), block_size) for p in PROMPTS)
-    longest = max(len(p) + n for p, n in zip(PROMPTS, NEW_TOKENS, strict=True))
-    return max(prompts, blocks_for(longest, block_size))
+    return max(prompts, blocks_for(max(FINAL_LENS), block_size))
 
 
 @BACKENDS

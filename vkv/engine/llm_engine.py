@@ -82,12 +82,12 @@ class LLMEngine:
         self.model, self.tokenizer, eos = load_checkpoint(model, dtype, self.device)
         c = self.model.config
         shape = CacheShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype)
+        if num_gpu_blocks is None and kv_cache_bytes is None:
+            on_cuda = self.device.type == "cuda"
+            kv_cache_bytes = (
+                free_device_bytes(self.device, gpu_memory_fraction) if on_cuda else CPU_KV_BYTES
+            )
         if num_gpu_blocks is None:
-            if kv_cache_bytes is None:
-                on_cuda = self.device.type == "cuda"
-                kv_cache_bytes = (
-                    free_device_bytes(self.device, gpu_memory_fraction) if on_cuda else CPU_KV_BYTES
-                )
             num_gpu_blocks = shape.num_blocks_for(kv_cache_bytes)
         self.config = Config(
             block_size=block_size,
