@@ -708,7 +708,7 @@ def test_part4_swap_in_brings_the_blocks_back_in_order():
     gpu_table = list(seq.block_table)
     out = bm.swap_out([seq])
     cpu_table = list(seq.block_table)
-    assert bm.can_swap_in([seq])
+    assert bm.can_swap_in([seq]) is AllocStatus.OK
     back = bm.swap_in([seq])
     assert sorted(back) == sorted(cpu_table)
     assert seq.block_table == [back[out[block]] for block in gpu_table], (
@@ -769,11 +769,114 @@ def test_part4_swap_in_respects_the_watermark_and_is_all_or_nothing():
     bm.allocate(seq)
     bm.swap_out([seq])
     bm.allocate(make_seq(2, 51, 1))  # 49 GPU blocks free: 49 - 40 = 9 < watermark 10
-    assert not bm.can_swap_in([seq]), "swap-in must keep the watermark's blocks free"
+    assert bm.can_swap_in([seq]) is AllocStatus.LATER, (
+        "49 free GPU blocks, 40 needed, watermark 10: swap-in must wait (LATER)"
+    )
     counts = pool_counts(bm)
     with pytest.raises(NoFreeBlocksError):
         bm.swap_in([seq])
     assert pool_counts(bm) == counts and bm.device_of(seq) is Device.CPU
+
+
+def swap_in_lookahead(group: list[Sequence]) -> int:
+    return sum(seq.num_blocks > len(seq.block_table) for seq in group)
+
+
+def swap_in_status(bm: BlockManager, group: list[Sequence]) -> AllocStatus:
+    """The swap-in rule of the handout, written out independently."""
+    need = len({b for s in group for b in s.block_table}) + swap_in_lookahead(group)
+    if bm.num_gpu_blocks - need < bm.watermark_blocks:
+        return AllocStatus.NEVER
+    if bm.num_free_gpu_blocks - need >= bm.watermark_blocks:
+        return AllocStatus.OK
+    return AllocStatus.LATER
+
+
+def test_part4_swap_in_reserves_a_block_for_a_newest_token_without_a_slot():
+    bm = BlockManager(block_size=4, num_gpu_blocks=4, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 8, 4)
+    bm.allocate(seq)  # 2 full blocks
+    seq.append_token(7)  # the 9th token opens block 3: no slot yet
+    bm.swap_out([seq])
+    bm.allocate(make_seq(2, 5, 4))  # 2 GPU blocks left: the 2 held fit, the next token not
+    status = bm.can_swap_in([seq])
+    assert status is AllocStatus.LATER, (
+        "a sequence whose newest token opens a new block needs its 2 blocks + 1 to come back "
+        f"and decode; 2 are free: LATER, got {status}"
+    )
+    assert bm.can_swap_in([seq]) is AllocStatus.LATER and bm.device_of(seq) is Device.CPU
+
+
+def test_part4_swap_in_needs_no_lookahead_when_the_newest_token_has_a_slot():
+    bm = BlockManager(block_size=4, num_gpu_blocks=4, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 7, 4)
+    bm.allocate(seq)
+    seq.append_token(7)  # the 8th token still fits block 2
+    bm.swap_out([seq])
+    bm.allocate(make_seq(2, 5, 4))
+    status = bm.can_swap_in([seq])
+    assert status is AllocStatus.OK, (
+        f"2 blocks held, the newest token has its slot, 2 free: OK, got {status}"
+    )
+
+
+def test_part4_swap_in_is_never_for_a_sequence_that_outgrew_the_pool():
+    bm = BlockManager(block_size=4, num_gpu_blocks=2, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 8, 4)
+    bm.allocate(seq)  # the whole GPU pool
+    seq.append_token(7)  # needs a third block: the pool can never hold it
+    bm.swap_out([seq])
+    status = bm.can_swap_in([seq])
+    assert status is AllocStatus.NEVER, (
+        f"2 blocks + 1 for the newest token > a GPU pool of 2: NEVER, got {status}"
+    )
+
+
+def test_part4_swap_in_never_keeps_the_watermark_like_admission():
+    bm = BlockManager(block_size=1, num_gpu_blocks=10, num_cpu_blocks=16, watermark=0.2)
+    big = make_seq(1, 8, 1)
+    bm.allocate(big)
+    big.append_token(1)
+    bm.swap_out([big])  # 8 blocks + 1 lookahead = 9: 10 - 9 < watermark 2
+    status = bm.can_swap_in([big])
+    assert status is AllocStatus.NEVER, (
+        f"needing 9 of 10 GPU blocks with a watermark of 2 is NEVER, as can_allocate of a "
+        f"9-block prompt is, got {status}"
+    )
+    small = make_seq(2, 7, 1)
+    bm.allocate(small)
+    small.append_token(1)
+    bm.swap_out([small])  # 7 + 1 = 8: 10 - 8 = the watermark, so not NEVER
+    assert bm.can_swap_in([small]) is AllocStatus.OK
+
+
+def test_part4_swap_in_counts_a_lookahead_per_sequence_and_shared_blocks_once():
+    for filler, expected in ((9, AllocStatus.LATER), (7, AllocStatus.OK)):
+        bm = BlockManager(block_size=2, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+        parent, child = make_seq(1, 4, 2), make_seq(2, 4, 2)
+        bm.allocate(parent)
+        bm.fork(parent, child)  # 2 shared blocks
+        parent.append_token(1)
+        child.append_token(1)  # both newest tokens open a block: 2 + 1 + 1 = 4 needed
+        bm.swap_out([parent, child])
+        bm.allocate(make_seq(3, filler, 2))
+        status = bm.can_swap_in([parent, child])
+        assert status is expected, (
+            f"2 distinct blocks + a lookahead block for each of 2 sequences = 4 needed, "
+            f"{bm.num_free_gpu_blocks} free: {expected.name}, got {status}"
+        )
+
+
+def test_part4_can_swap_in_requires_the_group_on_the_cpu():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 5, 4)
+    with pytest.raises(ValueError):
+        bm.can_swap_in([seq])  # holds nothing
+    bm.allocate(seq)
+    with pytest.raises(ValueError):
+        bm.can_swap_in([seq])  # on the GPU
+    with pytest.raises(ValueError):
+        bm.can_swap_in([])
 
 
 def test_part4_swap_requires_the_group_on_the_source_device():
@@ -807,7 +910,9 @@ def test_part4_swap_in_exactly_at_the_watermark_is_allowed():
     bm.allocate(seq)
     bm.swap_out([seq])
     bm.allocate(make_seq(2, 50, 1))  # 50 free: 50 - 40 = 10 = the watermark
-    assert bm.can_swap_in([seq]), "exactly watermark_blocks left free after the swap is fine"
+    assert bm.can_swap_in([seq]) is AllocStatus.OK, (
+        "exactly watermark_blocks left free after the swap is fine"
+    )
     bm.swap_in([seq])
     assert bm.num_free_gpu_blocks == 10
 
@@ -1000,12 +1105,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         need = len({b for s in group for b in s.block_table})
         if src is Device.GPU:
             can, expected = self.bm.can_swap_out(group), need <= self.bm.num_free_cpu_blocks
+            assert can is expected, (
+                f"moving {need} distinct blocks to the CPU: can_swap_out must be {expected}"
+            )
         else:
             free, mark = self.bm.num_free_gpu_blocks, self.bm.watermark_blocks
-            can, expected = self.bm.can_swap_in(group), free - need >= mark
-        assert can is expected, (
-            f"moving {need} distinct blocks to the {dst.value}: can_swap must be {expected}"
-        )
+            status = self.bm.can_swap_in(group)
+            expected = swap_in_status(self.bm, group)
+            assert status is expected, (
+                f"{need} distinct blocks + {swap_in_lookahead(group)} lookahead, {free} free "
+                f"of {self.bm.num_gpu_blocks}, watermark {mark}: can_swap_in must be "
+                f"{expected.name}, got {status}"
+            )
+            can = free - need >= mark
         move = self.bm.swap_out if src is Device.GPU else self.bm.swap_in
         if not can:
             counts = pool_counts(self.bm)

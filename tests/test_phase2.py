@@ -467,7 +467,8 @@ def test_part4_swapped_sequences_come_back_before_new_prompts():
 
 def test_part4_swap_in_is_first_come_first_served():
     s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=12, preemption_mode="swap")
-    seqs = [make_seq(s, i, 7, max_tokens=8) for i in range(4)]  # 2 blocks each: pool full
+    # 2 blocks each: the pool is full; sequence 0 finishes at its third token
+    seqs = [make_seq(s, i, 7, max_tokens=3 if i == 0 else 8) for i in range(4)]
     step(s)
     step(s)
     out = s.schedule()  # each needs a third block: 3 goes, then 2 (the newest left) goes
@@ -475,10 +476,15 @@ def test_part4_swap_in_is_first_come_first_served():
         "victims are the newest running sequences; swapped stays in arrival order"
     )
     s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))
-    assert s.block_manager.num_free_gpu_blocks == 2, "room for one of the two to come back"
-    s.schedule()
+    assert s.block_manager.num_free_gpu_blocks == 5, (
+        "room for one of the two to come back with a block for its newest token (2 + 1)"
+    )
+    out = s.schedule()
     assert seqs[2].status is SequenceStatus.RUNNING and ids(s.swapped) == [3], (
-        "the oldest swapped sequence comes back first"
+        "the oldest swapped sequence comes back first; the other waits (LATER)"
+    )
+    assert planned(out) == [(1, 1, False), (2, 1, False)], (
+        f"the swapped-in sequence decodes in the step that brings it back, got {planned(out)}"
     )
 
 

@@ -18,6 +18,18 @@ takes the last block would force a preemption at the very next decode step.
         OK     if num_free_gpu_blocks - need >= watermark_blocks
         LATER  otherwise                                      (fits once others free blocks)
 
+The swap-in rule. A swapped-out group comes back only if it can also take its next step: its
+distinct blocks, plus one block for each sequence whose newest token has no slot yet (vLLM v0
+reserves such a lookahead slot too). ``can_swap_in`` answers like admission, for that need:
+
+    can_swap_in(seqs), with need = distinct blocks + sequences with seq.num_blocks > len(table):
+        NEVER / OK / LATER   exactly as can_allocate, watermark included
+
+For a single sequence the need is ``seq.num_blocks``, what re-admitting it would take after a
+recompute: both preemption modes agree on which sequences can never run again. (Without the
+lookahead, a sequence that had outgrown the pool would be swapped in, find no block for its
+next token, and be swapped out again, forever.)
+
 The append rule. A sequence's blocks always cover all of its tokens, including the newest one,
 appended by the previous step and whose K/V the coming step writes. So ``append_slot`` adds a
 block exactly when the newest token does not fit in the blocks the sequence holds:
@@ -138,7 +150,12 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> AllocStatus:
         """Whether the prompt's blocks fit now, later or never (see the module docstring)."""
         ### BEGIN SOLUTION part1.3
-        need = seq.num_blocks
+        return self._fit_status(seq.num_blocks)
+        ### END SOLUTION
+
+    def _fit_status(self, need: int) -> AllocStatus:
+        """NEVER, OK or LATER for ``need`` more GPU blocks, the watermark kept free."""
+        ### BEGIN SOLUTION part1.3
         if self.num_gpu_blocks - need < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.num_free_gpu_blocks - need >= self.watermark_blocks:
@@ -268,11 +285,16 @@ class BlockManager:
         return self._swap(seqs, Device.GPU, Device.CPU, self.swapper.swap_out)
         ### END SOLUTION
 
-    def can_swap_in(self, seqs: list[Sequence]) -> bool:
-        """Whether the group's CPU blocks fit in the free GPU blocks, above the watermark."""
+    def can_swap_in(self, seqs: list[Sequence]) -> AllocStatus:
+        """Whether the group fits back on the GPU now, later or never (the swap-in rule above).
+
+        Raises ``ValueError`` unless the group is non-empty, lists no sequence twice and is on
+        the CPU.
+        """
         ### BEGIN SOLUTION part1.4
         self._require_group_on(seqs, Device.CPU)
-        return self.swapper.can_swap_in(seqs)
+        lookahead = sum(seq.num_blocks > len(seq.block_table) for seq in seqs)
+        return self._fit_status(self.swapper.num_blocks(seqs) + lookahead)
         ### END SOLUTION
 
     def swap_in(self, seqs: list[Sequence]) -> dict[int, int]:

@@ -32,7 +32,15 @@ The step policy (``schedule``, given; you write the pieces it calls):
 Budgets: at most ``max_num_seqs`` sequences run, and a step computes at most
 ``max_num_batched_tokens`` tokens. A prompt longer than ``max_model_len``, or one that could
 never fit the GPU pool (``AllocStatus.NEVER``), finishes as FINISHED_IGNORED with a reason;
-``LATER`` stops admission for this step (first come, first served: no overtaking).
+``LATER`` stops admission for this step (first come, first served: no overtaking). Swap-in
+answers the same three ways (``can_swap_in``): a swapped sequence that could NEVER take its next
+step on the GPU again is finished as FINISHED_IGNORED too, so both preemption modes end a
+sequence that outgrew the pool the same way, and nobody waits behind it forever.
+
+Prefill or decode. ``seq.is_prefill`` is True from a sequence's admission until every token it
+was admitted with is computed (``postprocess`` turns it off when it appends a token; a
+preemption by recompute turns it back on). A scheduled sequence in its prefill is a prefill
+(also a last chunk of one token); otherwise it is a decode of its newest token.
 
 Invariants
 - Every unfinished sequence is in exactly one queue, with the matching status and blocks.
@@ -220,11 +228,12 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
         """Admit waiting sequences, oldest first, while their blocks and the budgets allow.
 
-        Ignore (FINISHED_IGNORED, reason in ``out.ignored``) a sequence longer than
-        ``max_model_len`` or that can NEVER be allocated; stop at the first one that must wait
-        (LATER, or over a budget). An admitted sequence gets its blocks, becomes RUNNING, joins
-        ``running`` in arrival order and is scheduled as a prefill of its uncomputed tokens (with
-        chunked prefill, of as many as the token budget leaves: ``_prefill_chunk``).
+        Ignore (``_ignore``) a sequence longer than ``max_model_len`` (the reason names
+        ``max_model_len``) or that can NEVER be allocated (``_never_fits``); stop at the first
+        one that must wait (LATER, or over a budget). An admitted sequence gets its blocks,
+        becomes RUNNING, joins ``running`` in arrival order and is scheduled as a prefill of its
+        uncomputed tokens (with chunked prefill, of as many as the token budget leaves:
+        ``_prefill_chunk``; none left: stop).
         """
         ### BEGIN SOLUTION part2.1
         while self.waiting:
@@ -238,13 +247,7 @@ class Scheduler:
                 continue
             status = self.block_manager.can_allocate(seq)
             if status is AllocStatus.NEVER:
-                self._ignore(
-                    seq,
-                    f"needs {seq.num_blocks} blocks; the GPU pool has "
-                    f"{self.block_manager.num_gpu_blocks} with a watermark of "
-                    f"{self.block_manager.watermark_blocks}",
-                    out,
-                )
+                self._ignore(seq, self._never_fits(seq), out)
                 continue
             if status is AllocStatus.LATER:
                 break
@@ -261,17 +264,33 @@ class Scheduler:
             budget.add(num_tokens, 1)
         ### END SOLUTION
 
-    def _ignore(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
-        """Take the sequence at the front of ``waiting`` out for good, as FINISHED_IGNORED."""
+    def _never_fits(self, seq: Sequence) -> str:
+        """The reason given for a sequence whose blocks could NEVER fit the GPU pool."""
         ### BEGIN SOLUTION part2.1
-        self.waiting.popleft()
-        seq.status = SequenceStatus.FINISHED_IGNORED
-        del self._unfinished[seq.seq_id]
+        return (
+            f"needs {seq.num_blocks} blocks; the GPU pool has {self.block_manager.num_gpu_blocks}"
+            f" with a watermark of {self.block_manager.watermark_blocks}"
+        )
+        ### END SOLUTION
+
+    def _ignore(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
+        """Finish the sequence at the front of ``waiting`` or ``swapped`` as FINISHED_IGNORED.
+
+        It leaves that queue (this method removes it), its blocks are freed (``_finish``), and
+        ``IgnoredSequence(seq, reason)`` goes into ``out.ignored``.
+        """
+        ### BEGIN SOLUTION part2.1
+        queue = self.waiting if seq.status is SequenceStatus.WAITING else self.swapped
+        queue.remove(seq)
+        self._finish(seq, SequenceStatus.FINISHED_IGNORED)
         out.ignored.append(IgnoredSequence(seq, reason))
         ### END SOLUTION
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Give the sequence its finished status, free its blocks, forget it."""
+        """Give the sequence its finished status, free its blocks (if any), forget it.
+
+        Its caller has taken it out of its queue (or rebuilds the queue without it).
+        """
         ### BEGIN SOLUTION part2.1
         seq.status = status
         if self.block_manager.device_of(seq) is not None:
@@ -286,9 +305,10 @@ class Scheduler:
 
         When ``can_append_slot`` fails, preempt the newest running sequence not yet handled
         (``_preempt``) and retry; if the sequence itself is the newest, preempt it. A shared
-        last block copied on write goes into ``out.blocks_to_copy``. Sequences whose prefill
-        is unfinished (only with chunked prefill) are not decoded: they go, in order, to
-        ``_schedule_prefill_chunks`` after the decodes. ``running`` stays in arrival order.
+        last block copied on write goes into ``out.blocks_to_copy``. Sequences in their prefill
+        (``seq.is_prefill``; only with chunked prefill can one be running) are not decoded: they
+        stay in ``running`` and go, in order, to ``_schedule_prefill_chunks`` after the decodes.
+        ``running`` stays in arrival order.
         """
         ### BEGIN SOLUTION part2.2
         queue = deque(self.running)
@@ -296,19 +316,17 @@ class Scheduler:
         unfinished_prefills: list[Sequence] = []
         while queue:
             seq = queue.popleft()
-            if seq.num_tokens - seq.num_computed_tokens > 1:
+            if seq.is_prefill:
                 kept.append(seq)
                 unfinished_prefills.append(seq)
                 continue
             while not self.block_manager.can_append_slot(seq):
                 victim = queue.pop() if queue else seq
-                self._preempt(victim, out, budget)
+                self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                copy = self.block_manager.append_slot(seq)
-                if copy is not None:
-                    out.blocks_to_copy.setdefault(copy[0], []).append(copy[1])
+                self._append_slot(seq, out)
                 kept.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, 1, is_prefill=False))
                 budget.add(1, 0)
@@ -317,15 +335,24 @@ class Scheduler:
             self._schedule_prefill_chunks(unfinished_prefills, out, budget)
         ### END SOLUTION
 
+    def _append_slot(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """``append_slot`` for the sequence; a copy-on-write goes into ``out.blocks_to_copy``."""
+        ### BEGIN SOLUTION part2.2
+        copy = self.block_manager.append_slot(seq)
+        if copy is not None:
+            out.blocks_to_copy.setdefault(copy[0], []).append(copy[1])
+        ### END SOLUTION
+
     def postprocess(
         self, scheduled: list[ScheduledSequence], token_ids: list[int]
     ) -> list[Sequence]:
         """Record a step's results: one sampled token per scheduled sequence, in order.
 
         Each sequence's ``num_computed_tokens`` grows by what it computed; a sequence whose
-        tokens are now all computed appends its token (a prefill chunk that stopped short
-        ignores it). Then it finishes when ``_stop_status`` says so, and its blocks are freed
-        at once. Returns the sequences that finished. Sequences aborted since ``schedule`` are
+        tokens are now all computed ends its prefill (``is_prefill = False``) and appends its
+        token (a prefill chunk that stopped short ignores it). Only then, with the token in
+        ``token_ids``, ``_stop_status`` decides whether it finishes; if so its blocks are freed
+        at once and it leaves ``running``. Returns the sequences that finished. Sequences aborted since ``schedule`` are
         skipped. Raises ``ValueError`` if the two lists differ in length (nothing changes).
         """
         ### BEGIN SOLUTION part2.2
@@ -341,6 +368,7 @@ class Scheduler:
             seq.num_computed_tokens += item.num_tokens
             if seq.num_computed_tokens < seq.num_tokens:
                 continue
+            seq.is_prefill = False
             seq.append_token(token_id)
             status = self._stop_status(seq, token_id)
             if status is not None:
@@ -355,9 +383,10 @@ class Scheduler:
         """The finished status the sequence reaches with ``token_id``, or None to go on.
 
         FINISHED_STOPPED on the EOS token (``config.eos_token_id``) unless ``ignore_eos``;
-        FINISHED_LENGTH_CAPPED at ``max_tokens`` completion tokens, or past ``max_model_len``
-        tokens (vLLM's rule: a sequence may end one token past it, as that token's K/V are never
-        computed). EOS wins when both apply.
+        FINISHED_LENGTH_CAPPED at ``max_tokens`` completion tokens, or when ``num_tokens >
+        max_model_len`` (strictly: vLLM's rule lets a sequence end one token past it, as that
+        token's K/V are never computed). EOS wins when both apply. ``token_id`` has already been
+        appended (it is ``seq.last_token`` and counts in ``num_completion_tokens``).
         """
         ### BEGIN SOLUTION part2.2
         params = seq.sampling_params
@@ -372,14 +401,13 @@ class Scheduler:
 
     # -- part 2.3: preemption by recompute ----------------------------------------------------
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, budget: SchedulingBudget) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take a running sequence off the GPU to free its blocks.
 
         By swap when ``config.preemption_mode`` is SWAP (falling back to recompute when the CPU
         pool has no room: ``_preempt_by_swap`` returns False); by recompute for RECOMPUTE and
         AUTO (vLLM v0 swaps only groups of sequences that share blocks; every request here is one
-        sequence). Record it in ``out.preempted``, count it in ``num_preemptions``, and give its
-        place back to the budget (one sequence fewer).
+        sequence). Record it in ``out.preempted`` and count it in ``num_preemptions``.
         """
         ### BEGIN SOLUTION part2.3
         swapped = self.config.preemption_mode is PreemptionMode.SWAP and self._preempt_by_swap(
@@ -389,18 +417,19 @@ class Scheduler:
             self._preempt_by_recompute(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
-        budget.num_seqs -= 1
         ### END SOLUTION
 
     def _preempt_by_recompute(self, seq: Sequence) -> None:
         """Free all of the sequence's blocks; it waits, first in line, to prefill again.
 
-        Everything it had computed is lost (``num_computed_tokens`` back to 0); its tokens,
-        generated ones included, are kept and recomputed by its next prefill.
+        Everything it had computed is lost (``num_computed_tokens`` back to 0, ``is_prefill``
+        True again); its tokens, generated ones included, are kept and recomputed by its next
+        prefill.
         """
         ### BEGIN SOLUTION part2.3
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.is_prefill = True
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         ### END SOLUTION
@@ -411,7 +440,8 @@ class Scheduler:
         """Move the sequence's blocks to the CPU pool; False (nothing done) if they do not fit.
 
         On success the map goes into ``out.blocks_to_swap_out``, the sequence becomes SWAPPED
-        and joins ``swapped`` in arrival order. Its computed tokens survive.
+        and joins ``swapped`` in arrival order (``bisect.insort`` by ``_by_arrival``: a victim
+        is often newer than sequences swapped before it). Its computed tokens survive.
         """
         ### BEGIN SOLUTION part2.4
         if not self.block_manager.can_swap_out([seq]):
@@ -425,37 +455,45 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
         """Swap sequences back in, oldest first, while the GPU pool and the budgets allow.
 
-        Stop at the first that does not fit (``can_swap_in``, or one more sequence and one more
-        token over budget). A sequence swapped in becomes RUNNING, joins ``running`` in arrival
-        order and, if a slot for its newest token is free, is scheduled as a decode this step
-        (otherwise the next step's decode pass deals with it).
+        For the sequence at the front of ``swapped``, ``can_swap_in`` says:
+        NEVER: ignore it (``_ignore``, reason ``_never_fits``) and go on with the next;
+        LATER: stop. Stop too if its work does not fit the budgets (one more sequence, and one
+        token for a decode or ``_prefill_chunk`` tokens, none left: stop, for a sequence in its
+        prefill). Otherwise it is swapped in (the map goes into ``out.blocks_to_swap_in``),
+        becomes RUNNING, joins ``running`` in arrival order and is scheduled in this very step:
+        a decode gets the slot for its newest token (``append_slot``: ``can_swap_in`` kept a
+        block for it), a prefill its next chunk.
         """
         ### BEGIN SOLUTION part2.4
-        num_swapped_in = 0
-        for seq in self.swapped:
-            if not budget.can_schedule(1, 1) or not self.block_manager.can_swap_in([seq]):
+        while self.swapped:
+            seq = self.swapped[0]
+            status = self.block_manager.can_swap_in([seq])
+            if status is AllocStatus.NEVER:
+                self._ignore(seq, self._never_fits(seq), out)
+                continue
+            num_tokens = self._prefill_chunk(seq, budget) if seq.is_prefill else 1
+            if status is AllocStatus.LATER or num_tokens == 0:
                 break
+            if not budget.can_schedule(num_tokens, 1):
+                break
+            self.swapped.pop(0)
             out.blocks_to_swap_in.update(self.block_manager.swap_in([seq]))
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)
-            num_swapped_in += 1
-            budget.add(0, 1)
-            if self.block_manager.can_append_slot(seq):
-                copy = self.block_manager.append_slot(seq)
-                if copy is not None:
-                    out.blocks_to_copy.setdefault(copy[0], []).append(copy[1])
-                out.scheduled.append(ScheduledSequence(seq, 1, is_prefill=False))
-                budget.add(1, 0)
-        del self.swapped[:num_swapped_in]
+            if not seq.is_prefill:
+                self._append_slot(seq, out)
+            out.scheduled.append(ScheduledSequence(seq, num_tokens, seq.is_prefill))
+            budget.add(num_tokens, 1)
         ### END SOLUTION
 
     # -- part 2.5: chunked prefill ------------------------------------------------------------
 
     def _prefill_chunk(self, seq: Sequence, budget: SchedulingBudget) -> int:
-        """How many of the sequence's uncomputed tokens fit in what is left of the token budget."""
-        ### BEGIN SOLUTION part2.5
+        """How many of the sequence's uncomputed tokens fit in what is left of the token budget.
+
+        Given (admission, swap-in and the chunk pass all use it).
+        """
         return min(seq.num_tokens - seq.num_computed_tokens, budget.remaining_tokens)
-        ### END SOLUTION
 
     def _schedule_prefill_chunks(
         self, seqs: list[Sequence], out: SchedulerOutput, budget: SchedulingBudget

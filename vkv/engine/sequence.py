@@ -61,8 +61,10 @@ class Sequence:
     - ``sampling_params``: the given ones, or ``SamplingParams()``.
     - ``arrival_time``: when the request arrived (the scheduler serves oldest first).
 
-    Set for you after your code: ``num_computed_tokens = 0``, the number of leading tokens whose
-    K/V are in the cache, which the scheduler (Phase 2) keeps up to date.
+    Set for you after your code, and kept up to date by the scheduler (Phase 2):
+    ``num_computed_tokens = 0``, the number of leading tokens whose K/V are in the cache, and
+    ``is_prefill = True``, whether the sequence is in its prefill: from its admission (or its
+    re-admission after a preemption by recompute) until every token it had then is computed.
 
     Raises ``ValueError`` for an empty prompt or a block size that is not a positive integer.
     """
@@ -89,8 +91,10 @@ class Sequence:
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.arrival_time = arrival_time
         ### END SOLUTION
-        # Scheduler state (Phase 2): how many leading tokens have their K/V in the cache.
+        # Scheduler state (Phase 2): how many leading tokens have their K/V in the cache, and
+        # whether those it was admitted with are still being computed (vLLM's prefill stage).
         self.num_computed_tokens = 0
+        self.is_prefill = True
 
     def __len__(self) -> int:
         return self.num_tokens

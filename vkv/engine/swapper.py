@@ -53,15 +53,19 @@ class Swapper:
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         """Whether the group's distinct GPU blocks fit in the free CPU blocks."""
         ### BEGIN SOLUTION part1.4
-        needed = len(_distinct_block_ids(seqs))
-        return needed <= self.cpu_allocator.num_free_blocks
+        return self.num_blocks(seqs) <= self.cpu_allocator.num_free_blocks
+        ### END SOLUTION
+
+    def num_blocks(self, seqs: list[Sequence]) -> int:
+        """The group's distinct blocks: what a swap of it moves (a shared block once)."""
+        ### BEGIN SOLUTION part1.4
+        return len(_distinct_block_ids(seqs))
         ### END SOLUTION
 
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
         """Whether the distinct CPU blocks fit in the free GPU blocks, above the watermark."""
         ### BEGIN SOLUTION part1.4
-        needed = len(_distinct_block_ids(seqs))
-        return self.gpu_allocator.num_free_blocks - needed >= self.watermark_blocks
+        return self.gpu_allocator.num_free_blocks - self.num_blocks(seqs) >= self.watermark_blocks
         ### END SOLUTION
 
     def swap_out(self, seqs: list[Sequence]) -> dict[int, int]:
@@ -73,7 +77,7 @@ class Swapper:
         ### BEGIN SOLUTION part1.4
         if not self.can_swap_out(seqs):
             raise NoFreeBlocksError(
-                f"swap out needs {len(_distinct_block_ids(seqs))} CPU blocks, "
+                f"swap out needs {self.num_blocks(seqs)} CPU blocks, "
                 f"{self.cpu_allocator.num_free_blocks} are free"
             )
         return _move(seqs, self.gpu_allocator, self.cpu_allocator)
@@ -88,7 +92,7 @@ class Swapper:
         ### BEGIN SOLUTION part1.4
         if not self.can_swap_in(seqs):
             raise NoFreeBlocksError(
-                f"swap in needs {len(_distinct_block_ids(seqs))} GPU blocks plus a watermark of "
+                f"swap in needs {self.num_blocks(seqs)} GPU blocks plus a watermark of "
                 f"{self.watermark_blocks}, {self.gpu_allocator.num_free_blocks} are free"
             )
         return _move(seqs, self.cpu_allocator, self.gpu_allocator)
