@@ -5,12 +5,15 @@ the scheduler as the engine does: ``out = schedule()``, run the step (here: inve
 per scheduled sequence), ``postprocess(out.scheduled, tokens)``.
 """
 
+from collections import Counter
+
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
+    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -18,14 +21,14 @@ from hypothesis_settings import graded_settings
 
 from vkv.config import Config
 from vkv.engine.block import Device
-from vkv.engine.scheduler import Scheduler, SchedulerOutput
+from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.engine.simulator import Request, simulate
 from vkv.sampling_params import SamplingParams
 
 TOKEN = 5
 EOS = 2
-STATEFUL = graded_settings(max_examples=40, stateful_step_count=30)
+STATEFUL = graded_settings(max_examples=60, stateful_step_count=40)
 
 
 def make_scheduler(**overrides) -> Scheduler:
@@ -40,6 +43,12 @@ def make_scheduler(**overrides) -> Scheduler:
     }
     options.update(overrides)
     return Scheduler(Config(**options))
+
+
+def chunked(**overrides) -> Scheduler:
+    options = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16, "max_model_len": 64}
+    options.update(overrides)
+    return make_scheduler(**options)
 
 
 def make_seq(
@@ -74,6 +83,46 @@ def ids(seqs) -> list[int]:
 
 def planned(out: SchedulerOutput) -> list[tuple[int, int, bool]]:
     return [(item.seq.seq_id, item.num_tokens, item.is_prefill) for item in out.scheduled]
+
+
+def run_to_the_end(scheduler: Scheduler, max_steps: int) -> list[SchedulerOutput]:
+    """Step until every sequence finished; fail with the liveness rule after ``max_steps``."""
+    outs = []
+    for _ in range(max_steps):
+        if scheduler.is_finished():
+            return outs
+        outs.append(step(scheduler))
+    raise AssertionError(
+        f"after {max_steps} steps {scheduler.num_unfinished} sequences are unfinished (waiting "
+        f"{ids(scheduler.waiting)}, running {ids(scheduler.running)}, swapped "
+        f"{ids(scheduler.swapped)}): starvation or livelock"
+    )
+
+
+def outgrowing_then_small(mode: str) -> tuple[Scheduler, Sequence, Sequence]:
+    """An 8-token sequence that fills a 2-block pool and must grow, and a small one behind it."""
+    s = make_scheduler(
+        block_size=4, num_gpu_blocks=2, num_cpu_blocks=2, max_model_len=64, preemption_mode=mode
+    )
+    big = make_seq(s, 0, 8, max_tokens=20, ignore_eos=True)
+    small = make_seq(s, 1, 3, max_tokens=2)
+    return s, big, small
+
+
+def check_outgrown_is_ignored_and_the_small_one_runs(s, big, small) -> None:
+    outs = run_to_the_end(s, max_steps=100)
+    assert big.status is SequenceStatus.FINISHED_IGNORED, (
+        f"the 8-token sequence needs a third block for its ninth token and the pool has 2: it "
+        f"can never run again and must end FINISHED_IGNORED, got {big.status.name}"
+    )
+    reasons = [i.reason for out in outs for i in out.ignored if i.seq is big]
+    assert len(reasons) == 1 and "3 blocks" in reasons[0] and "2" in reasons[0], (
+        f"the reason names the blocks it needs (3) and the pool (2): {reasons}"
+    )
+    assert small.status is SequenceStatus.FINISHED_LENGTH_CAPPED, (
+        f"the 3-token request behind it must run to its end, got {small.status.name}"
+    )
+    assert s.block_manager.num_free_gpu_blocks == 2 and s.block_manager.num_free_cpu_blocks == 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,6 +208,68 @@ def test_part1_prompt_that_never_fits_the_pool_is_ignored():
     assert huge.status is SequenceStatus.FINISHED_IGNORED
     assert ids(out.seqs) == [1]
     assert s.block_manager.num_free_gpu_blocks == 3
+
+
+def test_part1_the_never_reason_names_the_blocks_the_pool_and_the_watermark():
+    s = make_scheduler(num_gpu_blocks=10, watermark=0.2, max_model_len=64)
+    huge = make_seq(s, 0, 33)  # 9 blocks: 10 - 9 < 2
+    out = s.schedule()
+    assert [i.seq for i in out.ignored] == [huge]
+    reason = out.ignored[0].reason
+    assert "9 blocks" in reason and "10" in reason and "watermark of 2" in reason, (
+        f"say what it needs and what the pool keeps: 9 blocks, a pool of 10, a watermark of 2; "
+        f"got {reason!r}"
+    )
+
+
+def test_part1_admission_keeps_the_watermark_free():
+    s = make_scheduler(num_gpu_blocks=10, watermark=0.2)
+    make_seq(s, 0, 32)  # 8 blocks: 10 - 8 = 2 = the watermark, OK
+    late = make_seq(s, 1, 1)
+    out = s.schedule()
+    assert ids(out.seqs) == [0], (
+        "after an 8-block prompt 2 blocks are free, all of them the watermark's: the 1-block "
+        f"prompt must wait (LATER), got {ids(out.seqs)}"
+    )
+    assert late.status is SequenceStatus.WAITING and not out.ignored
+
+
+def test_part1_with_chunked_prefill_the_last_prompt_is_cut_to_the_budget_left():
+    s = chunked()
+    make_seq(s, 0, 5)
+    make_seq(s, 1, 20)
+    make_seq(s, 2, 3)
+    out = s.schedule()
+    assert planned(out) == [(0, 5, True), (1, 11, True)], (
+        "with chunked prefill a prompt is admitted with as many tokens as the budget (16) "
+        f"leaves: 5, then 11 of 20; got {planned(out)}"
+    )
+    assert ids(s.waiting) == [2], "the budget is spent: the third prompt waits"
+    assert out.num_batched_tokens == 16
+
+
+def test_part1_with_chunked_prefill_no_prompt_is_admitted_with_zero_tokens():
+    s = chunked()
+    make_seq(s, 0, 16)
+    late = make_seq(s, 1, 2)
+    out = s.schedule()
+    assert planned(out) == [(0, 16, True)], (
+        f"the budget of 16 is spent by the first prompt, got {planned(out)}"
+    )
+    assert late.status is SequenceStatus.WAITING and late.block_table == [], (
+        "a prompt that would get 0 tokens is not admitted: it waits and holds no blocks"
+    )
+
+
+def test_part1_a_later_prompt_holds_back_the_ones_behind_it_with_chunked_prefill():
+    s = chunked(num_gpu_blocks=4)
+    make_seq(s, 0, 12)  # 3 blocks
+    make_seq(s, 1, 8)  # 2 blocks: LATER
+    make_seq(s, 2, 1)  # 1 block would fit, but must not overtake
+    out = s.schedule()
+    assert planned(out) == [(0, 12, True)], (
+        f"FCFS holds with chunked prefill too: nobody overtakes a LATER prompt, got {planned(out)}"
+    )
 
 
 def test_part1_duplicate_seq_id_is_rejected_and_changes_nothing():
@@ -292,6 +403,56 @@ def test_part2_a_finished_sequences_place_is_refilled_the_next_step():
     assert ids(s.running) == [1, 2] and waiting.status is SequenceStatus.RUNNING
 
 
+def test_part2_a_completed_prefill_ends_the_prefill_a_short_chunk_does_not():
+    s = chunked()
+    seq = make_seq(s, 0, 20)
+    out = s.schedule()  # admitted with a chunk of 16
+    s.postprocess(out.scheduled, [TOKEN])
+    assert (seq.is_prefill, seq.num_computed_tokens, seq.num_tokens) == (True, 16, 20), (
+        "a chunk that stops short of the end computes its tokens, yields no token and the "
+        f"sequence stays in its prefill; got is_prefill={seq.is_prefill}, computed "
+        f"{seq.num_computed_tokens}, tokens {seq.num_tokens}"
+    )
+    s.postprocess([ScheduledSequence(seq, 4, is_prefill=True)], [TOKEN])
+    assert (seq.is_prefill, seq.num_computed_tokens, seq.num_tokens) == (False, 20, 21), (
+        "the chunk that computes the last token ends the prefill (is_prefill = False) and "
+        f"appends the sampled token; got is_prefill={seq.is_prefill}, computed "
+        f"{seq.num_computed_tokens}, tokens {seq.num_tokens}"
+    )
+
+
+def test_part2_sequences_in_their_prefill_are_passed_on_not_decoded(monkeypatch):
+    s = chunked()
+    make_seq(s, 0, 4, max_tokens=30)
+    step(s)  # sequence 0 is decoding
+    late = make_seq(s, 1, 16)
+    step(s)  # 0 decodes; 1 is admitted with a chunk of 15: one prompt token left
+    assert late.is_prefill and late.num_tokens - late.num_computed_tokens == 1
+    passed = []
+    monkeypatch.setattr(
+        s, "_schedule_prefill_chunks", lambda seqs, out, budget: passed.append(list(seqs))
+    )
+    out = s.schedule()
+    assert planned(out) == [(0, 1, False)], (
+        "a running sequence in its prefill is not decoded, even with one prompt token left; "
+        f"got {planned(out)}"
+    )
+    assert passed == [[late]], (
+        f"it goes to _schedule_prefill_chunks after the decodes, got {passed}"
+    )
+    assert ids(s.running) == [0, 1], "it stays in running"
+
+
+def test_part2_a_step_decodes_every_sequence_exactly_once_and_charges_one_token_each():
+    s = make_scheduler(max_num_batched_tokens=64)
+    for i in range(3):
+        make_seq(s, i, 5)
+    step(s)
+    out = s.schedule()
+    assert planned(out) == [(0, 1, False), (1, 1, False), (2, 1, False)]
+    assert out.num_batched_tokens == 3 and out.kind == "decode" and out.num_prefills == 0
+
+
 def test_part2_postprocess_with_a_token_count_mismatch_raises_and_changes_nothing():
     s = make_scheduler()
     seq = make_seq(s, 0, 4)
@@ -407,6 +568,37 @@ def test_part3_recompute_prefills_prompt_and_generated_tokens():
     )
 
 
+def test_part3_a_sequence_preempted_by_recompute_starts_a_new_prefill():
+    s, _, new = full_pool_of_two()
+    assert not new.is_prefill
+    s.schedule()
+    assert new.is_prefill and new.num_computed_tokens == 0, (
+        "after a preemption by recompute the sequence is in its prefill again (is_prefill True, "
+        f"nothing computed); got is_prefill={new.is_prefill}, computed {new.num_computed_tokens}"
+    )
+
+
+def test_part3_preemptions_are_counted_one_by_one():
+    s = make_scheduler(num_gpu_blocks=8, preemption_mode="recompute")
+    seqs = [make_seq(s, i, 8, max_tokens=8) for i in range(4)]  # 2 blocks each: the pool is full
+    step(s)
+    out = s.schedule()  # each needs a third block: 3 is preempted, then 2 preempts itself
+    assert out.preempted == [seqs[3], seqs[2]]
+    assert s.num_preemptions == 2, (
+        f"two sequences were preempted in this step: num_preemptions 2, got {s.num_preemptions}"
+    )
+    s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))
+    outs = run_to_the_end(s, max_steps=100)
+    total = 2 + sum(len(out.preempted) for out in outs)
+    assert s.num_preemptions == total, (
+        f"num_preemptions counts every preemption: {total} in all, got {s.num_preemptions}"
+    )
+
+
+def test_part3_a_sequence_that_outgrew_the_pool_is_ignored_and_the_next_runs():
+    check_outgrown_is_ignored_and_the_small_one_runs(*outgrowing_then_small("recompute"))
+
+
 def test_part3_auto_mode_recomputes_single_sequences():
     s, _, new = full_pool_of_two(mode="auto", num_cpu_blocks=16)
     out = s.schedule()
@@ -488,6 +680,75 @@ def test_part4_swap_in_is_first_come_first_served():
     )
 
 
+def test_part4_a_sequence_that_outgrew_the_pool_is_ignored_when_swapped_not_livelocked():
+    check_outgrown_is_ignored_and_the_small_one_runs(*outgrowing_then_small("swap"))
+
+
+def test_part4_a_never_fitting_swapped_sequence_does_not_block_the_next_one():
+    s = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, preemption_mode="swap")
+    old, new = make_seq(s, 0, 12, max_tokens=8, ignore_eos=True), make_seq(s, 1, 4)
+    step(s)  # old: 3 blocks, 13 tokens; new: 1 block, 5 tokens
+    out = s.schedule()  # old needs a 4th block: new is swapped out
+    assert out.preempted == [new]
+    s.postprocess(out.scheduled, [TOKEN])
+    for _ in range(8):  # old decodes until its 17th token needs a 5th block: it swaps itself out
+        if old in step(s).preempted:
+            break
+    assert ids(s.swapped) == [0, 1], f"swapped {ids(s.swapped)}"
+    out = s.schedule()
+    assert [i.seq for i in out.ignored] == [old], (
+        "the oldest swapped sequence needs 4 blocks + 1 for its newest token > 4: NEVER, ignored"
+    )
+    assert planned(out) == [(1, 1, False)] and new.status is SequenceStatus.RUNNING, (
+        f"the next swapped sequence comes back in the same step, got {planned(out)}"
+    )
+
+
+def test_part4_a_prefill_swapped_out_midway_comes_back_as_a_prefill_chunk():
+    s = chunked(num_gpu_blocks=5, num_cpu_blocks=8, preemption_mode="swap", max_num_batched_tokens=8)
+    first = make_seq(s, 0, 7, max_tokens=3)
+    step(s)  # first: 8 tokens, 2 blocks
+    late = make_seq(s, 1, 12)
+    step(s)  # first decodes; late is admitted (3 blocks) with a chunk of 7
+    out = s.schedule()  # first needs a third block: late, mid-prefill, is swapped out
+    assert out.preempted == [late] and late.status is SequenceStatus.SWAPPED
+    s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))  # first finishes
+    out = s.schedule()
+    assert planned(out) == [(1, 5, True)], (
+        "a sequence swapped out in its prefill comes back as a prefill of its next chunk "
+        f"(the 5 tokens left), in the same step; got {planned(out)}"
+    )
+    assert out.kind == "prefill" and late.num_computed_tokens <= late.num_tokens
+
+
+def test_part4_a_swapped_in_prefill_chunk_is_cut_to_the_budget():
+    s = chunked(num_gpu_blocks=6, num_cpu_blocks=8, preemption_mode="swap", max_num_batched_tokens=8)
+    make_seq(s, 0, 7, max_tokens=3)
+    step(s)  # 8 tokens, 2 blocks
+    late = make_seq(s, 1, 16)
+    step(s)  # 0 decodes; late is admitted (4 blocks) with a chunk of 7
+    out = s.schedule()  # 0 needs a third block: late is swapped out in its prefill
+    assert out.preempted == [late]
+    s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))  # 0 finishes
+    out = s.schedule()
+    assert planned(out) == [(1, 8, True)], (
+        "9 prompt tokens are left and the budget is 8: the swapped-in prefill gets a chunk of "
+        f"8, got {planned(out)}"
+    )
+    assert out.num_batched_tokens == 8
+
+
+def test_part4_aborting_a_swapped_sequence_frees_its_cpu_blocks():
+    s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=8)
+    step(s)
+    assert new.status is SequenceStatus.SWAPPED
+    assert s.abort(1) is new and new.status is SequenceStatus.FINISHED_ABORTED
+    assert new.block_table == [] and s.block_manager.num_free_cpu_blocks == 8, (
+        "an aborted swapped sequence's CPU blocks are freed at once"
+    )
+    assert s.swapped == [] and s.num_unfinished == 1
+
+
 def test_part4_falls_back_to_recompute_when_the_cpu_pool_is_full():
     s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=1)
     out = s.schedule()
@@ -520,12 +781,6 @@ def test_part4_everything_finishes_with_swapping():
 # --------------------------------------------------------------------------------------------
 
 
-def chunked(**overrides) -> Scheduler:
-    options = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16, "max_model_len": 64}
-    options.update(overrides)
-    return make_scheduler(**options)
-
-
 def test_part5_a_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
     s = chunked()
     seq = make_seq(s, 0, 40)
@@ -552,6 +807,42 @@ def test_part5_decodes_go_first_and_are_not_stalled_by_a_long_prompt():
         out = step(s)
         assert (0, 1, False) in planned(out), "the running sequence decodes every step"
     assert short.num_completion_tokens == 5
+
+
+def test_part5_a_last_chunk_of_one_token_is_still_a_prefill():
+    s = chunked()
+    make_seq(s, 0, 4, max_tokens=30)
+    step(s)
+    late = make_seq(s, 1, 16)
+    step(s)  # 0 decodes, late gets 15 of its 16 tokens
+    out = s.schedule()
+    assert planned(out) == [(0, 1, False), (1, 1, True)], (
+        "the last prompt token of a chunked prefill is a prefill chunk of 1, not a decode; "
+        f"got {planned(out)}"
+    )
+    assert out.num_prefills == 1 and out.kind == "mixed"
+    s.postprocess(out.scheduled, [TOKEN, TOKEN])
+    assert late.num_completion_tokens == 1 and not late.is_prefill
+
+
+def test_part5_a_recomputed_sequence_is_prefilled_in_chunks_to_its_last_token():
+    s = chunked(num_gpu_blocks=4, max_num_batched_tokens=4, max_num_seqs=2)
+    make_seq(s, 0, 7, max_tokens=8)
+    late = make_seq(s, 1, 1, max_tokens=12)
+    for _ in range(10):  # both decode until late (the newest) is preempted, holding 5 tokens
+        if late in step(s).preempted:
+            break
+    assert late.status is SequenceStatus.WAITING and late.num_tokens == 5
+    chunks = []
+    for _ in range(10):
+        chunks += [(n, prefill) for seq_id, n, prefill in planned(step(s)) if seq_id == 1]
+        if len(chunks) == 3:
+            break
+    assert chunks == [(4, True), (1, True), (1, False)], (
+        "re-admitted after a recompute, the sequence prefills its 5 tokens (1 prompt + 4 "
+        "generated) in chunks of 4 and 1, both prefills, then decodes; got (tokens, prefill) "
+        f"{chunks}"
+    )
 
 
 def test_part5_the_budget_holds_every_step():
@@ -585,13 +876,20 @@ def test_part5_chunked_and_unchunked_runs_produce_the_same_outputs():
 class SchedulerMachine(RuleBasedStateMachine):
     """Drives the scheduler with random requests, steps and aborts; checks it after each step.
 
-    Every request the machine makes fits the GPU pool alone, except the ones it makes too long
-    on purpose, which must be ignored. At the end (teardown) it steps until all finish: a
-    scheduler that starves a request or livelocks fails there.
+    Most requests the machine makes fit the GPU pool alone (prompt and output, above the
+    watermark); some are too long to admit and must be ignored, some fit at first but outgrow
+    the pool and must end ignored (or capped, or stopped) too. Arrival
+    times are drawn, so add order and arrival order differ. At the end (teardown) it steps until
+    all finish, within a bound: a scheduler that starves a request or livelocks fails there.
+
+    ``REACHED`` counts the (operation, state) pairs the runs reached: an abort in each queue,
+    steps that preempted, swapped in, ignored, ran mixed batches. Each test requires its own
+    (an abort in ``swapped`` is rare here: ``test_part4_aborting_a_swapped_sequence...`` pins it).
     """
 
     MODE = "recompute"
     CHUNKED = False
+    REACHED: Counter = Counter()
 
     def __init__(self) -> None:
         super().__init__()
@@ -602,17 +900,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.integers(1, 4),
         num_gpu_blocks=st.integers(3, 12),
-        num_cpu_blocks=st.integers(0, 12),
+        num_cpu_blocks=st.sampled_from([0, 4, 8, 16]),
         max_num_seqs=st.integers(1, 4),
+        watermark=st.sampled_from([0.0, 0.0, 0.1, 0.25]),
     )
-    def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs):
+    def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs, watermark):
         budget = max(max_num_seqs, 6) if self.CHUNKED else None
         self.s = Scheduler(
             Config(
                 block_size=block_size,
                 num_gpu_blocks=num_gpu_blocks,
                 num_cpu_blocks=num_cpu_blocks,
-                watermark=0.0,
+                watermark=watermark,
                 max_model_len=24,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget,
@@ -622,41 +921,86 @@ class SchedulerMachine(RuleBasedStateMachine):
             )
         )
 
-    @rule(prompt_len=st.integers(1, 24), max_tokens=st.integers(1, 8), oversize=st.booleans())
-    def add(self, prompt_len, max_tokens, oversize):
-        capacity = min(
-            self.s.config.max_model_len, self.s.config.num_gpu_blocks * self.s.config.block_size
-        )
-        if oversize:
+    @property
+    def capacity(self) -> int:
+        """The most tokens one sequence can hold alone: max_model_len, and the pool's blocks."""
+        manager = self.s.block_manager
+        usable = manager.num_gpu_blocks - manager.watermark_blocks
+        return min(self.s.config.max_model_len, usable * manager.block_size)
+
+    @rule(
+        prompt_len=st.integers(1, 24),
+        max_tokens=st.integers(1, 8),
+        kind=st.sampled_from(["fits", "fits", "fits", "too long", "outgrows"]),
+        arrival=st.integers(0, 40),
+    )
+    def add(self, prompt_len, max_tokens, kind, arrival):
+        capacity = self.capacity
+        if kind == "too long":
             prompt_len = capacity + 1
+        elif kind == "outgrows":
+            prompt_len = min(prompt_len, capacity)
+            max_tokens = capacity - prompt_len + 2
         else:
-            prompt_len = min(prompt_len, capacity - max_tokens)
-            if prompt_len < 1:
-                return
+            max_tokens = min(max_tokens, capacity - 1)
+            prompt_len = max(1, min(prompt_len, capacity - max_tokens))
         seq = Sequence(
             self.next_id,
             [3] * prompt_len,
             self.s.config.block_size,
             SamplingParams(max_tokens=max_tokens),
-            arrival_time=float(self.next_id),
+            arrival_time=float(arrival),
         )
         self.next_id += 1
         self.s.add(seq)
         self.seqs.append(seq)
 
-    @rule(eos=st.booleans())
+    @precondition(lambda self: hasattr(self, "s") and not self.s.is_finished())
+    @rule(eos=st.booleans(), times=st.integers(1, 4))
+    def steps(self, eos, times):
+        for _ in range(times):
+            self.step(eos)
+            self.every_sequence_is_in_one_place()
+            self.block_accounting_holds()
+
     def step(self, eos):
         self.last = self.s.schedule()
         tokens = [EOS if eos and i == 0 else TOKEN for i in range(len(self.last.scheduled))]
         self.s.postprocess(self.last.scheduled, tokens)
         self.check_step(self.last)
+        self.count_step(self.last)
 
+    @precondition(lambda self: hasattr(self, "s") and not self.s.is_finished())
+    @rule(data=st.data(), skip=st.integers(0, 3))
+    def abort(self, data, skip):
+        if skip:  # abort one time in four: every abort takes the pressure off the pool
+            return
+        queues = [q for q in (list(self.s.waiting), self.s.running, self.s.swapped) if q]
+        seq = data.draw(st.sampled_from(data.draw(st.sampled_from(queues))))
+        self.REACHED["abort", seq.status.name] += 1
+        self.s.abort(seq.seq_id)
+
+    @precondition(lambda self: hasattr(self, "s") and self.s.swapped)
     @rule(data=st.data())
-    def abort(self, data):
-        live = [seq for seq in self.seqs if not seq.is_finished]
-        if live:
-            seq = data.draw(st.sampled_from(live))
-            self.s.abort(seq.seq_id)
+    def abort_swapped(self, data):
+        seq = data.draw(st.sampled_from(self.s.swapped))
+        self.REACHED["abort", seq.status.name] += 1
+        self.s.abort(seq.seq_id)
+
+    def count_step(self, out):
+        reached = {
+            "preempt": out.preempted,
+            "swap out": out.blocks_to_swap_out,
+            "swap in": out.blocks_to_swap_in,
+            "ignore": out.ignored,
+            "copy": out.blocks_to_copy,
+        }
+        for what, happened in reached.items():
+            if happened:
+                self.REACHED["step", what] += 1
+        self.REACHED["step", out.kind] += 1
+        if any(i.seq.num_completion_tokens for i in out.ignored):
+            self.REACHED["step", "ignore after running"] += 1
 
     def check_step(self, out):
         config = self.s.config
@@ -665,9 +1009,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(self.s.running) <= config.max_num_seqs
         assert not (out.blocks_to_swap_in and out.blocks_to_swap_out), "swap in and out at once"
         for ignored in out.ignored:
-            assert ignored.seq.num_tokens > min(
-                config.max_model_len, config.num_gpu_blocks * config.block_size
-            ), f"sequence {ignored.seq.seq_id} fits alone but was ignored: {ignored.reason}"
+            assert ignored.seq.num_tokens > self.capacity, (
+                f"sequence {ignored.seq.seq_id} fits alone but was ignored: {ignored.reason}"
+            )
 
     @invariant()
     def every_sequence_is_in_one_place(self):
@@ -691,7 +1035,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 )
                 assert self.s.block_manager.device_of(seq) is queues[seq.status][1]
         assert self.s.num_unfinished == sum(not seq.is_finished for seq in self.seqs)
-        assert ids(self.s.running) == sorted(ids(self.s.running)), "running is in arrival order"
+        arrivals = [(seq.arrival_time, seq.seq_id) for seq in self.s.running]
+        assert arrivals == sorted(arrivals), f"running is not in arrival order: {arrivals}"
+        arrivals = [(seq.arrival_time, seq.seq_id) for seq in self.s.swapped]
+        assert arrivals == sorted(arrivals), f"swapped is not in arrival order: {arrivals}"
+        for seq in self.s.running + self.s.swapped:
+            assert 0 <= seq.num_computed_tokens <= seq.num_tokens, (
+                f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed of {seq.num_tokens}"
+            )
 
     @invariant()
     def block_accounting_holds(self):
@@ -711,7 +1062,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "s"):
             return
-        bound = 20 * sum(seq.num_tokens + seq.sampling_params.max_tokens for seq in self.seqs) + 50
+        left = [seq for seq in self.seqs if not seq.is_finished]
+        bound = 3 * sum(seq.num_tokens + seq.sampling_params.max_tokens for seq in left) + 20
         for _ in range(bound):
             if self.s.is_finished():
                 break
@@ -733,13 +1085,39 @@ class ChunkedMachine(SchedulerMachine):
     CHUNKED = True
 
 
+class ChunkedSwapMachine(SchedulerMachine):
+    MODE = "swap"
+    CHUNKED = True
+
+
+def run_machine(machine: type[SchedulerMachine], required: set[tuple[str, str]]) -> None:
+    """Run the machine; then check it reached every (operation, state) pair in ``required``."""
+    machine.REACHED = Counter()
+    run_state_machine_as_test(machine, settings=STATEFUL)
+    missing = required - set(machine.REACHED)
+    assert not missing, f"the random runs never reached {sorted(missing)}: {machine.REACHED}"
+
+
+ALWAYS = {
+    ("abort", "WAITING"),
+    ("abort", "RUNNING"),
+    ("step", "preempt"),
+    ("step", "ignore"),
+    ("step", "ignore after running"),
+}
+
+
 def test_part3_random_workloads_keep_the_invariants_and_finish():
-    run_state_machine_as_test(SchedulerMachine, settings=STATEFUL)
+    run_machine(SchedulerMachine, ALWAYS | {("step", "prefill"), ("step", "decode")})
 
 
 def test_part4_random_workloads_with_swapping_keep_the_invariants_and_finish():
-    run_state_machine_as_test(SwapMachine, settings=STATEFUL)
+    run_machine(SwapMachine, ALWAYS | {("step", "swap out"), ("step", "swap in")})
 
 
 def test_part5_random_workloads_with_chunked_prefill_keep_the_invariants_and_finish():
-    run_state_machine_as_test(ChunkedMachine, settings=STATEFUL)
+    run_machine(ChunkedMachine, ALWAYS | {("step", "mixed")})
+
+
+def test_part5_random_workloads_with_chunked_prefill_and_swapping_finish():
+    run_machine(ChunkedSwapMachine, ALWAYS | {("step", "swap in"), ("step", "mixed")})
