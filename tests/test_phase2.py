@@ -6,6 +6,7 @@ per scheduled sequence), ``postprocess(out.scheduled, tokens)``.
 """
 
 from collections import Counter
+from typing import ClassVar
 
 import pytest
 from hypothesis import strategies as st
@@ -705,8 +706,10 @@ def test_part4_a_never_fitting_swapped_sequence_does_not_block_the_next_one():
 
 
 def test_part4_a_prefill_swapped_out_midway_comes_back_as_a_prefill_chunk():
-    s = chunked(num_gpu_blocks=5, num_cpu_blocks=8, preemption_mode="swap", max_num_batched_tokens=8)
-    first = make_seq(s, 0, 7, max_tokens=3)
+    s = chunked(
+        num_gpu_blocks=5, num_cpu_blocks=8, preemption_mode="swap", max_num_batched_tokens=8
+    )
+    make_seq(s, 0, 7, max_tokens=3)
     step(s)  # first: 8 tokens, 2 blocks
     late = make_seq(s, 1, 12)
     step(s)  # first decodes; late is admitted (3 blocks) with a chunk of 7
@@ -722,7 +725,9 @@ def test_part4_a_prefill_swapped_out_midway_comes_back_as_a_prefill_chunk():
 
 
 def test_part4_a_swapped_in_prefill_chunk_is_cut_to_the_budget():
-    s = chunked(num_gpu_blocks=6, num_cpu_blocks=8, preemption_mode="swap", max_num_batched_tokens=8)
+    s = chunked(
+        num_gpu_blocks=6, num_cpu_blocks=8, preemption_mode="swap", max_num_batched_tokens=8
+    )
     make_seq(s, 0, 7, max_tokens=3)
     step(s)  # 8 tokens, 2 blocks
     late = make_seq(s, 1, 16)
@@ -889,7 +894,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     MODE = "recompute"
     CHUNKED = False
-    REACHED: Counter = Counter()
+    REACHED: ClassVar[Counter] = Counter()
 
     def __init__(self) -> None:
         super().__init__()
