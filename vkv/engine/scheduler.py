@@ -353,7 +353,8 @@ class Scheduler:
         token (a prefill chunk that stopped short ignores it). Only then, with the token in
         ``token_ids``, ``_stop_status`` decides whether it finishes; if so its blocks are freed
         at once and it leaves ``running``. Returns the sequences that finished. Sequences
-        aborted since ``schedule`` are skipped. Raises ``ValueError`` if the two lists differ in length (nothing changes).
+        aborted since ``schedule`` are skipped. Raises ``ValueError`` if the two lists differ in
+        length (nothing changes).
         """
         ### BEGIN SOLUTION part2.2
         if len(scheduled) != len(token_ids):
