@@ -293,6 +293,77 @@ def test_part2_sharing_a_free_block_is_rejected():
     assert pool.num_free_blocks == 2 and pool.blocks[0].ref_count == 0
 
 
+class StandInEvictor:
+    """A plain stand-in for part 1.5's Evictor, so that part 1.2's tests do not need it.
+
+    The same interface and order (least recently used first, then more hashed tokens), in O(n).
+    """
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, Block] = {}
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self.blocks
+
+    def add(self, block: Block) -> None:
+        self.blocks[block.block_id] = block
+
+    def remove(self, block_id: int) -> Block:
+        return self.blocks.pop(block_id)
+
+    def evict(self) -> Block:
+        oldest = min(self.blocks.values(), key=lambda b: (b.last_accessed, -b.num_hashed_tokens))
+        return self.blocks.pop(oldest.block_id)
+
+
+def allocator_with_stand_in_evictor(num_blocks: int) -> BlockAllocator:
+    pool = BlockAllocator(Device.GPU, num_blocks)
+    pool.evictor = StandInEvictor()
+    return pool
+
+
+def test_part2_freed_block_with_a_hash_goes_to_the_evictor():
+    pool = allocator_with_stand_in_evictor(4)
+    block = pool.allocate()
+    block.content_hash, block.num_hashed_tokens = 1234, 16
+    pool.free(block)
+    assert block.block_id in pool.evictor, "a freed block with content is cached, not discarded"
+    assert pool.num_free_blocks == 4, "a cached free block still counts as free"
+
+
+def test_part2_allocator_draws_from_truly_free_blocks_before_evicting():
+    pool = allocator_with_stand_in_evictor(3)
+    blocks = [pool.allocate() for _ in range(3)]
+    for when, block in zip((2.0, 1.0), blocks[:2], strict=True):
+        block.content_hash, block.num_hashed_tokens, block.last_accessed = 77 + when, 16, when
+        pool.free(block)
+    pool.free(blocks[2])  # no hash: truly free
+    first = pool.allocate()
+    assert first is blocks[2], "the free list comes before evicting cached content"
+    second = pool.allocate()
+    assert second is blocks[1], "then the least recently used cached block is evicted"
+    assert second.content_hash is None and second.num_hashed_tokens == 0, (
+        "an evicted block's content record is cleared"
+    )
+    assert pool.allocate() is blocks[0]
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()
+
+
+def test_part2_reuse_takes_a_cached_block_back_with_its_content():
+    pool = allocator_with_stand_in_evictor(2)
+    block = pool.allocate()
+    block.content_hash, block.num_hashed_tokens = 99, 16
+    pool.free(block)
+    again = pool.reuse(block.block_id)
+    assert again is block and block.ref_count == 1 and block.content_hash == 99
+    assert block.block_id not in pool.evictor and pool.num_free_blocks == 1
+    assert pool.reuse(block.block_id).ref_count == 2, "reusing a block in use adds a holder"
+
+
 def test_part2_reuse_of_a_free_block_without_content_is_rejected():
     pool = BlockAllocator(Device.GPU, 2)
     with pytest.raises(ValueError):
@@ -1319,42 +1390,3 @@ def test_part5_matches_a_sorted_list_model(ops):
             assert got == expected, f"model state {model}: expected to evict {expected}, got {got}"
             del model[expected]
         assert len(evictor) == len(model)
-
-
-def test_part5_freed_block_with_a_hash_goes_to_the_evictor():
-    pool = BlockAllocator(Device.GPU, 4)
-    block = pool.allocate()
-    block.content_hash, block.num_hashed_tokens = 1234, 16
-    pool.free(block)
-    assert block.block_id in pool.evictor, "a freed block with content is cached, not discarded"
-    assert pool.num_free_blocks == 4, "a cached free block still counts as free"
-
-
-def test_part5_allocator_draws_from_truly_free_blocks_before_evicting():
-    pool = BlockAllocator(Device.GPU, 3)
-    blocks = [pool.allocate() for _ in range(3)]
-    for when, block in zip((2.0, 1.0), blocks[:2], strict=True):
-        block.content_hash, block.num_hashed_tokens, block.last_accessed = 77 + when, 16, when
-        pool.free(block)
-    pool.free(blocks[2])  # no hash: truly free
-    first = pool.allocate()
-    assert first is blocks[2], "the free list comes before evicting cached content"
-    second = pool.allocate()
-    assert second is blocks[1], "then the least recently used cached block is evicted"
-    assert second.content_hash is None and second.num_hashed_tokens == 0, (
-        "an evicted block's content record is cleared"
-    )
-    assert pool.allocate() is blocks[0]
-    with pytest.raises(NoFreeBlocksError):
-        pool.allocate()
-
-
-def test_part5_reuse_takes_a_cached_block_back_with_its_content():
-    pool = BlockAllocator(Device.GPU, 2)
-    block = pool.allocate()
-    block.content_hash, block.num_hashed_tokens = 99, 16
-    pool.free(block)
-    again = pool.reuse(block.block_id)
-    assert again is block and block.ref_count == 1 and block.content_hash == 99
-    assert block.block_id not in pool.evictor and pool.num_free_blocks == 1
-    assert pool.reuse(block.block_id).ref_count == 2, "reusing a block in use adds a holder"

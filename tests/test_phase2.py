@@ -22,7 +22,12 @@ from hypothesis_settings import graded_settings
 
 from vkv.config import Config
 from vkv.engine.block import Device
-from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from vkv.engine.scheduler import (
+    ScheduledSequence,
+    Scheduler,
+    SchedulerOutput,
+    SchedulingBudget,
+)
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.engine.simulator import Request, simulate
 from vkv.sampling_params import SamplingParams
@@ -304,6 +309,20 @@ def test_part1_abort_a_waiting_and_a_running_sequence():
     assert s.block_manager.num_free_gpu_blocks == 64 and s.is_finished()
 
 
+def test_part1_abort_finds_a_swapped_sequence_and_frees_its_blocks():
+    s = make_scheduler()
+    seq = make_seq(s, 0, 5)
+    s.schedule()
+    s.running.remove(seq)  # moved to swapped by hand (a real swap-out is part 2.4's)
+    seq.status = SequenceStatus.SWAPPED
+    s.swapped.append(seq)
+    assert s.abort(0) is seq and seq.status is SequenceStatus.FINISHED_ABORTED
+    assert s.swapped == [] and s.is_finished(), "abort takes it out of the queue its status names"
+    assert seq.block_table == [] and s.block_manager.num_free_gpu_blocks == 64, (
+        "an aborted sequence's blocks are freed at once, wherever it is queued"
+    )
+
+
 def test_part1_aborting_an_unknown_id_raises_and_changes_nothing():
     s = make_scheduler()
     make_seq(s, 0, 4)
@@ -402,6 +421,53 @@ def test_part2_a_finished_sequences_place_is_refilled_the_next_step():
         "continuous batching: the freed place goes to the waiting request at the next step"
     )
     assert ids(s.running) == [1, 2] and waiting.status is SequenceStatus.RUNNING
+
+
+def stand_in_preempt(s: Scheduler) -> tuple[list[int], object]:
+    """A stand-in for part 2.3's ``_preempt`` (a plain recompute), recording its victims."""
+    victims: list[int] = []
+
+    def preempt(seq: Sequence, out: SchedulerOutput) -> None:
+        victims.append(seq.seq_id)
+        s.block_manager.free(seq)
+        seq.num_computed_tokens, seq.is_prefill = 0, True
+        seq.status = SequenceStatus.WAITING
+        s.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    return victims, preempt
+
+
+def test_part2_when_blocks_run_out_the_newest_unhandled_sequence_is_preempted(monkeypatch):
+    s = make_scheduler(num_gpu_blocks=8)
+    for i in range(4):
+        make_seq(s, i, 8, max_tokens=8)  # 2 blocks each: the pool is full
+    step(s)  # 9 tokens each: every one needs a third block
+    victims, preempt = stand_in_preempt(s)
+    monkeypatch.setattr(s, "_preempt", preempt)
+    out = s.schedule()
+    assert victims == [3, 2], (
+        "0 needs a block: preempt the newest (3); 1 takes the other freed block; 2 needs one and "
+        f"is the newest left: it preempts itself. _preempt got {victims}, expected [3, 2]"
+    )
+    assert planned(out) == [(0, 1, False), (1, 1, False)] and ids(s.running) == [0, 1]
+
+
+def test_part2_a_copy_on_write_goes_into_blocks_to_copy():
+    s = make_scheduler()
+    a = make_seq(s, 0, 5)
+    step(s)  # 6 tokens in 2 blocks, the last one half full
+    b = Sequence(1, a.token_ids, 4, SamplingParams(max_tokens=16), arrival_time=1.0)
+    s.block_manager.fork(a, b)  # a parallel sample, made by hand: b shares both blocks
+    b.status, b.num_computed_tokens, b.is_prefill = SequenceStatus.RUNNING, 5, False
+    s.running.append(b)
+    shared = a.block_table[-1]
+    out = s.schedule()
+    assert out.blocks_to_copy == {shared: [a.block_table[-1]]}, (
+        f"a's newest token goes into shared block {shared}: append_slot copies it, and "
+        f"blocks_to_copy must say {{src: [dst]}}; got {out.blocks_to_copy}"
+    )
+    assert b.block_table[-1] == shared, "b then holds the block alone and writes it in place"
 
 
 def test_part2_a_completed_prefill_ends_the_prefill_a_short_chunk_does_not():
@@ -735,7 +801,11 @@ def test_part4_a_swapped_in_prefill_chunk_is_cut_to_the_budget():
     out = s.schedule()  # 0 needs a third block: late is swapped out in its prefill
     assert out.preempted == [late]
     s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))  # 0 finishes
+    newcomer = make_seq(s, 2, 4)
     out = s.schedule()
+    assert newcomer.status is SequenceStatus.WAITING, (
+        "the swapped-in chunk spent the whole budget: nothing is left to admit a prompt with"
+    )
     assert planned(out) == [(1, 8, True)], (
         "9 prompt tokens are left and the budget is 8: the swapped-in prefill gets a chunk of "
         f"8, got {planned(out)}"
@@ -847,6 +917,25 @@ def test_part5_a_recomputed_sequence_is_prefilled_in_chunks_to_its_last_token():
         "re-admitted after a recompute, the sequence prefills its 5 tokens (1 prompt + 4 "
         "generated) in chunks of 4 and 1, both prefills, then decodes; got (tokens, prefill) "
         f"{chunks}"
+    )
+
+
+def test_part5_prefill_chunks_go_oldest_first_and_stop_when_the_budget_is_spent():
+    s = chunked()
+    seqs = [make_seq(s, i, 10) for i in range(3)]
+    for seq in seqs:  # three running prefills, made by hand (schedule() makes one at a time)
+        s.waiting.remove(seq)
+        s.block_manager.allocate(seq)
+        seq.status = SequenceStatus.RUNNING
+        s.running.append(seq)
+    out, budget = SchedulerOutput(), SchedulingBudget(16, 8, num_seqs=3)
+    s._schedule_prefill_chunks(seqs, out, budget)
+    assert planned(out) == [(0, 10, True), (1, 6, True)], (
+        "oldest first, each the chunk that fits what is left of the budget (10, then 6), and "
+        f"no chunk of 0 tokens for the third; got {planned(out)}"
+    )
+    assert budget.num_batched_tokens == 16 and budget.num_seqs == 3, (
+        "chunks spend tokens, not sequence places (the sequences already run)"
     )
 
 

@@ -8,6 +8,8 @@ from rich.console import Console
 
 from vkv.assignment.check import check
 
+MUTANTS_CHECK = "every mutant fails a graded test of its own part"
+
 MODULE = '''
 def double(x):
     """Return 2 * x."""
@@ -104,9 +106,9 @@ def test_a_test_outside_any_part_is_caught(tmp_path):
 def test_a_mutant_the_tests_miss_is_reported(tmp_path):
     root = make_toy(tmp_path)
     (root / "assignment/mutants.toml").write_text(
-        '[[mutant]]\nfile = "vkv/engine/toy.py"\nwhy = "caught"\n'
+        '[[mutant]]\npart = "1.1"\nfile = "vkv/engine/toy.py"\nwhy = "caught"\n'
         'find = "return 2 * x"\nreplace = "return 2 - x"\n\n'
-        '[[mutant]]\nfile = "vkv/engine/toy.py"\nwhy = "equivalent"\n'
+        '[[mutant]]\npart = "1.2"\nfile = "vkv/engine/toy.py"\nwhy = "equivalent"\n'
         'find = "return 3 * x"\nreplace = "return x + x + x"\n'
     )
     manifest = root / "assignment/parts.toml"
@@ -117,9 +119,47 @@ def test_a_mutant_the_tests_miss_is_reported(tmp_path):
     )
     subprocess.run(["git", "add", "-A"], cwd=root, check=True)
     failed = failed_checks(root)
-    assert list(failed) == ["every mutant fails a graded test"]
-    assert "equivalent" in failed["every mutant fails a graded test"]
-    assert "caught" not in failed["every mutant fails a graded test"]
+    assert list(failed) == [MUTANTS_CHECK]
+    assert "equivalent" in failed[MUTANTS_CHECK]
+    assert "caught" not in failed[MUTANTS_CHECK]
+
+
+def with_mutants(root: Path, mutants: str, depends: bool = False) -> Path:
+    (root / "assignment/mutants.toml").write_text(mutants)
+    manifest = root / "assignment/parts.toml"
+    text = manifest.read_text().replace(
+        "release_exclude = []", 'release_exclude = ["assignment/mutants.toml"]'
+    )
+    if depends:
+        text += 'depends_on = ["1.1"]\n'
+    manifest.write_text(text)
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    return root
+
+
+def test_a_mutant_caught_only_by_another_parts_tests_is_reported(tmp_path):
+    root = make_toy(
+        tmp_path, "\n\ndef test_part2_six_times():\n    assert triple(double(7)) == 42\n"
+    )
+    with_mutants(
+        root,
+        '[[mutant]]\npart = "1.1"\nfile = "vkv/engine/toy.py"\nwhy = "wrong at 7"\n'
+        'find = "return 2 * x"\nreplace = "return 2 * x if x != 7 else 0"\n',
+        depends=True,
+    )
+    failed = failed_checks(root)
+    assert list(failed) == [MUTANTS_CHECK]
+    assert "caught only by the tests of part 1.2" in failed[MUTANTS_CHECK]
+
+
+def test_a_mutant_outside_its_parts_region_is_reported(tmp_path):
+    with_mutants(
+        make_toy(tmp_path),
+        '[[mutant]]\npart = "1.1"\nfile = "vkv/engine/toy.py"\nwhy = "wrong part"\n'
+        'find = "return 3 * x"\nreplace = "return 3 + x"\n',
+    )
+    failed = failed_checks(tmp_path)
+    assert "names part 1.1 but its find text lies in part 1.2's region" in failed[MUTANTS_CHECK]
 
 
 def test_a_mutant_that_hangs_counts_as_caught(tmp_path, monkeypatch):
@@ -128,7 +168,7 @@ def test_a_mutant_that_hangs_counts_as_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(check_module, "RUN_TIMEOUT_S", 10.0)
     root = make_toy(tmp_path)
     (root / "assignment/mutants.toml").write_text(
-        '[[mutant]]\nfile = "vkv/engine/toy.py"\nwhy = "hangs"\n'
+        '[[mutant]]\npart = "1.2"\nfile = "vkv/engine/toy.py"\nwhy = "hangs"\n'
         'find = "return 3 * x"\nreplace = "while True:\\n        pass"\n'
     )
     manifest = root / "assignment/parts.toml"

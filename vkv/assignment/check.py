@@ -13,8 +13,10 @@ It builds the student edition in a temporary folder and verifies:
 7. for each part, stubbing that part alone fails all of its tests, and every test of a part
    that does not depend on it still passes;
 8. hidden tests (``tests/hidden/``, left out of the edition) obey rules 4 to 7 too;
-9. every mutant of ``assignment/mutants.toml`` (a plausible wrong implementation) fails at least
-   one graded test: the tests are strong enough to catch it.
+9. every mutant of ``assignment/mutants.toml`` (a plausible wrong implementation) lies in a
+   region of the part it names and fails at least one graded test *of that part*: the tests are
+   strong enough to catch it, and a grade (``--isolate`` included) blames the part whose code is
+   wrong, not a part that merely runs it.
 """
 
 import ast
@@ -52,8 +54,9 @@ class Finding:
 
 @dataclass(slots=True, frozen=True)
 class Mutant:
-    """A wrong implementation: ``find`` replaced by ``replace`` in ``file``."""
+    """A wrong implementation of ``part``: ``find`` replaced by ``replace`` in ``file``."""
 
+    part: str
     file: str
     why: str
     find: str
@@ -80,13 +83,15 @@ def check(root: Path, console: Console) -> list[Finding]:
             copy_tree(root, trees[part], files)
             stub_tree(trees[part], assignment, {part})
         mutants = load_mutants(root)
-        misplaced = []
+        misplaced = {}
         for index, mutant in enumerate(mutants):
             tree = Path(scratch) / f"mutant-{index}"
             copy_tree(root, tree, files)
-            if not _apply(mutant, tree):
-                misplaced.append(f"mutant {index} ({mutant.why}): find text not found exactly once")
-            trees[f"mutant {index}"] = tree
+            problem = _apply(mutant, tree)
+            if problem:
+                misplaced[index] = f"mutant {index} ({mutant.why}): {problem}"
+            else:
+                trees[f"mutant {index}"] = tree
         findings += _no_reference_code(root, trees["edition"], assignment)
         findings.append(_imports(trees["edition"]))
         findings.append(_same_signatures(trees["reference"], trees["edition"]))
@@ -119,18 +124,18 @@ def check(root: Path, console: Console) -> list[Finding]:
             affected = assignment.dependents(part) | {part}
             findings.append(_part_isolated(part, affected, on_reference, results[part]))
         survivors = [
-            f"mutant {index} ({mutant.why})"
+            _survivor(index, mutant, results[f"mutant {index}"])
             for index, mutant in enumerate(mutants)
-            if results[f"mutant {index}"] is not None  # a run that hangs has caught the mutant
-            and all(r.outcome == "passed" for r in results[f"mutant {index}"])
+            if index not in misplaced
         ]
+        survivors = [survivor for survivor in survivors if survivor]
         findings.append(
             Finding(
-                "every mutant fails a graded test",
+                "every mutant fails a graded test of its own part",
                 not survivors and not misplaced,
-                _summary(misplaced + survivors)
+                _summary([*misplaced.values(), *survivors])
                 if survivors or misplaced
-                else f"{len(mutants)} caught",
+                else f"{len(mutants)} caught, each by its own part's tests",
             )
         )
     _print(findings, console)
@@ -145,14 +150,36 @@ def _run(tree: Path, files: list[str]) -> list[TestResult] | None:
         return None
 
 
-def _apply(mutant: Mutant, tree: Path) -> bool:
-    """Apply the mutant to ``tree``; False if its ``find`` text is not there exactly once."""
+def _apply(mutant: Mutant, tree: Path) -> str | None:
+    """Apply the mutant to ``tree``; what is wrong with it (None: applied)."""
     file = tree / mutant.file
     text = file.read_text()
     if text.count(mutant.find) != 1:
-        return False
+        return "find text not found exactly once"
+    start = text[: text.index(mutant.find)].count("\n")
+    end = start + mutant.find.rstrip("\n").count("\n")
+    parts = {r.part for r in find_regions(text, mutant.file) if r.begin < start and end < r.end}
+    if parts != {mutant.part}:
+        where = f"part {', '.join(sorted(parts))}'s region" if parts else "no region"
+        return f"names part {mutant.part} but its find text lies in {where}"
     file.write_text(text.replace(mutant.find, mutant.replace))
-    return True
+    return None
+
+
+def _survivor(index: int, mutant: Mutant, results: list[TestResult] | None) -> str | None:
+    """Why the mutant survived, or None if a test of its own part caught it.
+
+    A run that hangs (None) has caught it: the grader's timeout fails the part.
+    """
+    if results is None:
+        return None
+    if any(r.outcome != "passed" and r.part == mutant.part for r in results):
+        return None
+    label = f"mutant {index} of part {mutant.part} ({mutant.why})"
+    others = sorted({r.part or "?" for r in results if r.outcome != "passed"})
+    if others:
+        return f"{label}: caught only by the tests of part {', '.join(others)}"
+    return f"{label}: survived"
 
 
 def _no_reference_code(root: Path, edition: Path, assignment: Assignment) -> list[Finding]:

@@ -228,8 +228,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
         """Admit waiting sequences, oldest first, while their blocks and the budgets allow.
 
-        Ignore (``_ignore``) a sequence longer than ``max_model_len`` (the reason names
-        ``max_model_len``) or that can NEVER be allocated (``_never_fits``); stop at the first
+        Take out and ignore (``_ignore``) a sequence longer than ``max_model_len`` (the reason
+        names ``max_model_len``) or that can NEVER be allocated (``_never_fits``); stop at the first
         one that must wait (LATER, or over a budget). An admitted sequence gets its blocks,
         becomes RUNNING, joins ``running`` in arrival order and is scheduled as a prefill of its
         uncomputed tokens (with chunked prefill, of as many as the token budget leaves:
@@ -239,6 +239,7 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             if seq.num_tokens > self.config.max_model_len:
+                self.waiting.popleft()
                 self._ignore(
                     seq,
                     f"{seq.num_tokens} tokens exceed max_model_len {self.config.max_model_len}",
@@ -247,6 +248,7 @@ class Scheduler:
                 continue
             status = self.block_manager.can_allocate(seq)
             if status is AllocStatus.NEVER:
+                self.waiting.popleft()
                 self._ignore(seq, self._never_fits(seq), out)
                 continue
             if status is AllocStatus.LATER:
@@ -274,14 +276,12 @@ class Scheduler:
         ### END SOLUTION
 
     def _ignore(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
-        """Finish the sequence at the front of ``waiting`` or ``swapped`` as FINISHED_IGNORED.
+        """Finish a sequence that can never run as FINISHED_IGNORED, and say why.
 
-        It leaves that queue (this method removes it), its blocks are freed (``_finish``), and
-        ``IgnoredSequence(seq, reason)`` goes into ``out.ignored``.
+        The caller has taken it out of its queue (``waiting`` or ``swapped``). ``_finish`` frees
+        any blocks it holds; ``IgnoredSequence(seq, reason)`` goes into ``out.ignored``.
         """
         ### BEGIN SOLUTION part2.1
-        queue = self.waiting if seq.status is SequenceStatus.WAITING else self.swapped
-        queue.remove(seq)
         self._finish(seq, SequenceStatus.FINISHED_IGNORED)
         out.ignored.append(IgnoredSequence(seq, reason))
         ### END SOLUTION
@@ -289,7 +289,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Give the sequence its finished status, free its blocks (if any), forget it.
 
-        Its caller has taken it out of its queue (or rebuilds the queue without it).
+        Its caller takes it out of its queue (or rebuilds the queue without it).
         """
         ### BEGIN SOLUTION part2.1
         seq.status = status
@@ -457,7 +457,7 @@ class Scheduler:
         """Swap sequences back in, oldest first, while the GPU pool and the budgets allow.
 
         For the sequence at the front of ``swapped``, ``can_swap_in`` says:
-        NEVER: ignore it (``_ignore``, reason ``_never_fits``) and go on with the next;
+        NEVER: take it out and ignore it (``_ignore``, reason ``_never_fits``), go on;
         LATER: stop. Stop too if its work does not fit the budgets (one more sequence, and one
         token for a decode or ``_prefill_chunk`` tokens, none left: stop, for a sequence in its
         prefill). Otherwise it is swapped in (the map goes into ``out.blocks_to_swap_in``),
@@ -470,6 +470,7 @@ class Scheduler:
             seq = self.swapped[0]
             status = self.block_manager.can_swap_in([seq])
             if status is AllocStatus.NEVER:
+                self.swapped.pop(0)
                 self._ignore(seq, self._never_fits(seq), out)
                 continue
             num_tokens = self._prefill_chunk(seq, budget) if seq.is_prefill else 1
@@ -501,8 +502,11 @@ class Scheduler:
     ) -> None:
         """Schedule the next chunk of each running, unfinished prefill, oldest first.
 
-        Each gets ``_prefill_chunk`` tokens; stop when the token budget is spent. These sequences
-        already hold their blocks and count as running: they use tokens, not sequence places.
+        Each gets ``_prefill_chunk`` tokens; stop when the token budget is spent (no chunk of 0
+        tokens is scheduled). These sequences already hold their blocks and count as running:
+        they use tokens, not sequence places. (Under ``schedule()``'s policy at most one running
+        sequence is in its prefill at a time: a prompt admitted with a cut chunk spent the whole
+        budget. The method is general, as in vLLM, and tested as such.)
         """
         ### BEGIN SOLUTION part2.5
         for seq in seqs:

@@ -121,8 +121,10 @@ def simulate(
     """Serve ``requests`` (sorted by arrival) to the end; return what every step did.
 
     ``on_step`` is called after each step's postprocess (tests check invariants there).
-    Raises ``RuntimeError`` if the scheduler stops making progress with work left, or runs
-    more than ``max_steps`` steps (default: 4 steps per token the requests hold, plus 1,000).
+    A step that runs nothing but changes the queues (only preempts, swaps in or ignores) is
+    progress and counts as a step. Raises ``RuntimeError`` if a step does nothing at all with
+    work left and no arrival to wait for, or if the run takes more than ``max_steps`` steps
+    (default: 4 steps per token the requests hold, plus 1,000).
     """
     if max_steps is None:
         max_steps = 4 * sum(r.prompt_len + r.output_len for r in requests) + 1000
@@ -137,7 +139,8 @@ def simulate(
             next_arrival += 1
         out = scheduler.schedule()
         result.ignored += [item.seq for item in out.ignored]
-        if not out.scheduled:
+        moved = out.preempted or out.blocks_to_swap_in or out.ignored  # queues changed
+        if not out.scheduled and not moved:
             if next_arrival == len(pending):
                 if scheduler.is_finished():
                     break
