@@ -6,6 +6,7 @@ tests of part 1.3 (BlockManager). Expected values are computed here from first p
 """
 
 import math
+import time
 
 import pytest
 from hypothesis import given
@@ -156,8 +157,8 @@ def test_part1_block_out_of_range_raises_index_error(index):
         seq.block(index)
 
 
-@pytest.mark.parametrize("block_size", [0, -1, -16])
-def test_part1_rejects_a_zero_or_negative_block_size(block_size):
+@pytest.mark.parametrize("block_size", [0, -1, -16, True, 2.0, "4"])
+def test_part1_rejects_a_block_size_that_is_not_a_positive_integer(block_size):
     with pytest.raises(ValueError, match="block_size"):
         Sequence(0, [1, 2], block_size=block_size)
 
@@ -364,6 +365,29 @@ def test_part2_reuse_takes_a_cached_block_back_with_its_content():
     assert pool.reuse(block.block_id).ref_count == 2, "reusing a block in use adds a holder"
 
 
+def seconds_for_allocate_and_free(num_blocks: int, count: int = 8192, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` runs of ``count`` allocations then frees, in a fresh pool."""
+    best = math.inf
+    for _ in range(repeats):
+        pool = BlockAllocator(Device.GPU, num_blocks)
+        start = time.perf_counter()
+        blocks = [pool.allocate() for _ in range(count)]
+        for block in blocks:
+            pool.free(block)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_part2_allocate_and_free_cost_the_same_in_a_pool_32_times_larger():
+    small = seconds_for_allocate_and_free(8192)
+    large = seconds_for_allocate_and_free(8192 * 32, repeats=3)
+    assert large < 4 * small, (
+        f"8,192 allocations and frees took {large * 1e3:.1f} ms in a pool of 262,144 blocks and "
+        f"{small * 1e3:.1f} ms in a pool of 8,192: allocate and free must be O(1), whatever the "
+        "pool's size (a list's pop(0) or remove is O(n): use a deque)"
+    )
+
+
 def test_part2_reuse_of_a_free_block_without_content_is_rejected():
     pool = BlockAllocator(Device.GPU, 2)
     with pytest.raises(ValueError):
@@ -410,6 +434,8 @@ def test_part2_free_plus_used_is_always_the_pool_size(ops):
     [
         {"block_size": 0, "num_gpu_blocks": 4},
         {"block_size": -4, "num_gpu_blocks": 4},
+        {"block_size": True, "num_gpu_blocks": 4},
+        {"block_size": 2.0, "num_gpu_blocks": 4},
         {"block_size": 4, "num_gpu_blocks": 0},
         {"block_size": 4, "num_gpu_blocks": 4, "num_cpu_blocks": -1},
         {"block_size": 4, "num_gpu_blocks": 4, "watermark": 1.0},
@@ -741,6 +767,20 @@ def test_part3_usage_is_the_fraction_of_blocks_in_use():
     bm.allocate(make_seq(1, 8, 4))
     assert bm.gpu_usage == pytest.approx(2 / 8)
     assert bm.num_gpu_blocks == 8
+
+
+def test_part3_cpu_usage_is_zero_for_an_empty_cpu_pool():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0.0)
+    bm.allocate(make_seq(1, 8, 4))
+    assert bm.cpu_usage == 0.0, "a CPU pool of 0 blocks is 0 % used (not a division by zero)"
+
+
+def test_part3_cpu_usage_is_the_fraction_of_cpu_blocks_in_use():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=4, watermark=0.0)
+    bm.cpu_allocator.allocate()  # as a swap-out would (part 1.4)
+    assert (bm.cpu_usage, bm.gpu_usage) == (pytest.approx(1 / 4), 0.0), (
+        f"1 of 4 CPU blocks is in use: cpu_usage 0.25, got {bm.cpu_usage}"
+    )
 
 
 def test_part3_get_block_table_is_a_copy():

@@ -66,7 +66,8 @@ class Sequence:
     ``is_prefill = True``, whether the sequence is in its prefill: from its admission (or its
     re-admission after a preemption by recompute) until every token it had then is computed.
 
-    Raises ``ValueError`` for an empty prompt or a block size that is not a positive integer.
+    Raises ``ValueError`` for an empty prompt, or for a ``block_size`` that is not a positive
+    integer (``True`` and ``2.0`` are not; the message names ``block_size``).
     """
 
     def __init__(
