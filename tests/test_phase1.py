@@ -301,23 +301,23 @@ class StandInEvictor:
     """
 
     def __init__(self) -> None:
-        self.blocks: dict[int, Block] = {}
+        self.cached: dict[int, Block] = {}
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.cached)
 
     def __contains__(self, block_id: int) -> bool:
-        return block_id in self.blocks
+        return block_id in self.cached
 
     def add(self, block: Block) -> None:
-        self.blocks[block.block_id] = block
+        self.cached[block.block_id] = block
 
     def remove(self, block_id: int) -> Block:
-        return self.blocks.pop(block_id)
+        return self.cached.pop(block_id)
 
     def evict(self) -> Block:
-        oldest = min(self.blocks.values(), key=lambda b: (b.last_accessed, -b.num_hashed_tokens))
-        return self.blocks.pop(oldest.block_id)
+        oldest = min(self.cached.values(), key=lambda b: (b.last_accessed, -b.num_hashed_tokens))
+        return self.cached.pop(oldest.block_id)
 
 
 def allocator_with_stand_in_evictor(num_blocks: int) -> BlockAllocator:

@@ -25,7 +25,7 @@ ADVISORY = (
 MARKER = "<!-- vkv-autograde -->"
 PART_ID = re.compile(r"^\d+\.\d+$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
-STATUSES = {"passed", "failed", "timeout", "error"}
+STATUSES = {"passed", "failed", "not started", "timeout", "error"}
 MAX_ITEMS = 64
 MAX_MEMBER_BYTES = 1 << 20
 

@@ -14,7 +14,10 @@ the trusted tests on it:
 - a file the submission changed outside ``editable`` is reported as "not graded: protected file
   modified" and ignored.
 
-Scoring: a part's score is its points times the share of its tests that pass. With
+Scoring: a part's score is its points times the share of its tests that pass. A part whose
+tests all fail on its own stub (``NotImplementedError: part X.Y``) is reported "not started"
+rather than "failed"; a failed part whose failures all come from another part's stub says
+which part to finish first. With
 ``isolate``, each part is graded again with the submission's code for that part only and the
 reference's code for every other part (the solution regions make the transplant exact), so that
 a bug in one part costs that part alone. Hidden tests (an instructor-only folder, ``--hidden``)
@@ -26,6 +29,7 @@ Run without ``--trusted``, the tree grades itself: a student's progress meter, n
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +46,7 @@ SKIPPED_NAMES = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis",
 HIDDEN_DIR = Path("tests") / "hidden"
 GRADER_INI = "[pytest]\naddopts =\npython_files = test_*.py\n"
 MAX_REPORT_BYTES = 64 << 20
+STUB_ERROR = re.compile(r"NotImplementedError: part (\d+\.\d+):")
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,7 +73,7 @@ def _part_of(nodeid: str) -> str | None:
 
 @dataclass(slots=True, frozen=True)
 class PartResult:
-    """A part's tests and score; ``status`` is passed, failed, timeout or error."""
+    """A part's tests and score; ``status`` is passed, failed, not started, timeout or error."""
 
     part: Part
     tests: tuple[TestOutcome, ...]
@@ -160,10 +165,8 @@ def grade(
             "this grade is void; restore the tree before grading anything else"
         )
     results = {
-        name: PartResult(
-            assignment.part(name.removeprefix("isolated ")), tuple(tests), status, detail
-        )
-        for name, (tests, status, detail) in runs.items()
+        name: _part_result(assignment.part(name.removeprefix("isolated ")), *run)
+        for name, run in runs.items()
     }
     report = GradeReport(
         parts=[results[part.id] for part in assignment.parts],
@@ -173,6 +176,19 @@ def grade(
     )
     report.execution_time = round(time.monotonic() - started, 2)
     return report
+
+
+def _part_result(part: Part, tests: list[TestOutcome], status: str, detail: str) -> PartResult:
+    """The part's result, telling "not started" and "blocked by another part" from "wrong"."""
+    failures = [test for test in tests if test.outcome != "passed"]
+    if status == "failed":
+        stubs = [set(STUB_ERROR.findall(test.message)) for test in failures]
+        if len(failures) == len(tests) and all(part.id in found for found in stubs):
+            status = "not started"
+        elif all(found - {part.id} for found in stubs):
+            others = sorted(set().union(*stubs) - {part.id})
+            detail = f"fails on the stub of part {', '.join(others)}: finish that part first"
+    return PartResult(part, tuple(tests), status, detail)
 
 
 def submitted_file(submission: Path, path: str) -> Path | None:

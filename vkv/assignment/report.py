@@ -14,6 +14,7 @@ from vkv.assignment import comment
 from vkv.assignment.grade import GradeReport, PartResult
 
 MAX_OUTPUT = 2000
+FAILING_SHOWN = 3
 
 
 def as_dict(report: GradeReport) -> dict:
@@ -111,7 +112,7 @@ def print_table(report: GradeReport, console: Console) -> None:
         )
     isolated = report.isolated or [None] * len(report.parts)
     for result, alone in zip(report.parts, isolated, strict=True):
-        color = "green" if result.status == "passed" else "red"
+        color = {"passed": "green", "not started": "dim"}.get(result.status, "red")
         row = [
             result.part.id,
             result.part.title,
@@ -128,6 +129,13 @@ def print_table(report: GradeReport, console: Console) -> None:
         total.append(f"[bold]{sum(r.score for r in report.isolated):g}/{report.max_score:g}")
     table.add_row(*total)
     console.print(table)
+    for result in report.parts:
+        failing = [t.nodeid.partition("::")[2] for t in result.tests if t.outcome != "passed"]
+        if failing and result.status != "not started":
+            shown = ", ".join(failing[:FAILING_SHOWN])
+            more = len(failing) - FAILING_SHOWN
+            shown += f" and {more} more" if more > 0 else ""
+            console.print(f"part {result.part.id} failing: {shown}", highlight=False)
     for path in report.protected_modified:
         console.print(f"[yellow]not graded: protected file modified: {path}[/yellow]")
 
