@@ -184,10 +184,18 @@ def _check(args: argparse.Namespace, console: Console) -> int:
 
 
 def _reference_root(args: argparse.Namespace) -> Path:
+    """The instructor's reference tree: ``--root``, else the tree this package runs from."""
     root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parents[1]
     if not (root / MANIFEST).is_file():
         raise FileNotFoundError(
             f"no reference tree at {root} ({MANIFEST} missing); pass --root REFERENCE"
+        )
+    if Assignment.load(root).edition == "student":
+        raise ValueError(
+            f"{root} is a student edition: it holds no reference code, so `vkv grade --isolate` "
+            "and `vkv assignment release|solve|check` cannot run from it. Instructors: pass "
+            "--root with the reference repository. Students: `uv run vkv grade` (without "
+            "--isolate) scores your tree."
         )
     return root
 

@@ -11,6 +11,7 @@ from vkv.assignment.parts import Assignment
 from vkv.assignment.regions import find_regions
 from vkv.assignment.release import release, solve
 from vkv.assignment.report import as_json
+from vkv.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSIGNMENT = Assignment.load(ROOT)
@@ -35,6 +36,31 @@ def test_edition_stubs_every_region_and_leaves_out_instructor_files(edition):
     assert workflows == ["autograde-comment.yml", "autograde.yml"], workflows
 
 
+def test_edition_has_the_student_readme_and_says_it_is_the_student_edition(edition):
+    readme = (edition / "README.md").read_text()
+    assert readme == (ROOT / "assignment/student-README.md").read_text()
+    assert "--trusted" not in readme and "For instructors" not in readme, "no grader internals"
+    assert Assignment.load(edition).edition == "student"
+    assert Assignment.load(ROOT).edition == "reference"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["grade", "{edition}", "--isolate"],
+        ["assignment", "check"],
+        ["assignment", "solve", "{edition}", "--parts", "1.1"],
+        ["assignment", "release", "{out}"],
+    ],
+)
+def test_the_edition_refuses_what_needs_the_reference(edition, tmp_path, argv, capsys):
+    args = [a.format(edition=edition, out=tmp_path / "out") for a in argv]
+    assert main([*args, "--root", str(edition)]) == 2
+    said = " ".join(capsys.readouterr().out.split())
+    assert "is a student edition" in said and "pass --root" in said, said
+    assert not (tmp_path / "out").exists()
+
+
 def test_edition_is_a_fresh_repository_with_one_commit(edition):
     count = subprocess.run(
         ["git", "rev-list", "--count", "HEAD"], cwd=edition, capture_output=True, text=True
@@ -52,13 +78,18 @@ def test_release_refuses_a_folder_that_is_not_empty(edition):
 def test_grade_scores_zero_on_the_edition_and_per_part_after_solve(tmp_path):
     out = tmp_path / "student"
     release(ROOT, out, commit=False)
-    assert all(score.score == 0 for score in grade(out).parts), "the stubs earn no points"
+    fresh = grade(out, parts={"1.1", "1.3"}).parts
+    assert all(score.score == 0 for score in fresh), "the stubs earn no points"
+    assert [score.status for score in fresh] == ["not started", "not started"]
     solve(ROOT, out, {"1.1", "1.2"})
     result = grade(out)
     scores = {s.part.id: s for s in result.parts}
     assert scores["1.1"].score == scores["1.1"].part.points
     assert scores["1.2"].score == scores["1.2"].part.points
-    assert scores["1.5"].status == "failed" and 0 <= scores["1.5"].score < scores["1.5"].part.points
+    assert scores["1.5"].status == "not started" and scores["1.5"].score < scores["1.5"].part.points
+    assert scores["2.1"].status == "failed" and "part 1.3" in scores["2.1"].detail, (
+        "2.1's tests fail on 1.3's stub: the report says to finish part 1.3 first"
+    )
     document = json.loads(as_json(result))
     assert document["max_score"] == sum(p.points for p in ASSIGNMENT.parts)
     assert document["score"] == pytest.approx(sum(s.score for s in scores.values()))

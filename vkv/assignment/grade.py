@@ -15,9 +15,9 @@ the trusted tests on it:
   modified" and ignored.
 
 Scoring: a part's score is its points times the share of its tests that pass. A part whose
-tests all fail on its own stub (``NotImplementedError: part X.Y``) is reported "not started"
-rather than "failed"; a failed part whose failures all come from another part's stub says
-which part to finish first. With
+tests all fail on stubs (``NotImplementedError: part X.Y``), its own among them, is reported
+"not started" rather than "failed"; a failed part whose failures all come from other parts'
+stubs says which part to finish first. With
 ``isolate``, each part is graded again with the submission's code for that part only and the
 reference's code for every other part (the solution regions make the transplant exact), so that
 a bug in one part costs that part alone. Hidden tests (an instructor-only folder, ``--hidden``)
@@ -181,13 +181,14 @@ def grade(
 def _part_result(part: Part, tests: list[TestOutcome], status: str, detail: str) -> PartResult:
     """The part's result, telling "not started" and "blocked by another part" from "wrong"."""
     failures = [test for test in tests if test.outcome != "passed"]
-    if status == "failed":
-        stubs = [set(STUB_ERROR.findall(test.message)) for test in failures]
-        if len(failures) == len(tests) and all(part.id in found for found in stubs):
+    stubs = [set(STUB_ERROR.findall(test.message)) for test in failures]
+    if status == "failed" and all(stubs):  # every failure is some part's NotImplementedError
+        own = any(part.id in found for found in stubs)
+        if own and len(failures) == len(tests):
             status = "not started"
-        elif all(found - {part.id} for found in stubs):
-            others = sorted(set().union(*stubs) - {part.id})
-            detail = f"fails on the stub of part {', '.join(others)}: finish that part first"
+        elif not own:
+            others = ", ".join(sorted(set().union(*stubs)))
+            detail = f"fails on the stub of part {others}: finish that part first"
     return PartResult(part, tuple(tests), status, detail)
 
 

@@ -28,12 +28,18 @@ class Part:
 
 @dataclass(slots=True, frozen=True)
 class Assignment:
-    """The parsed manifest of the tree at ``root``."""
+    """The parsed manifest of the tree at ``root``.
+
+    ``edition`` is ``"reference"`` in this repository and ``"student"`` in a released edition
+    (``vkv assignment release`` sets it): a student edition has no reference code to isolate,
+    solve or check with.
+    """
 
     root: Path
     parts: tuple[Part, ...]
     editable: tuple[str, ...]
     release_exclude: tuple[str, ...]
+    edition: str = "reference"
 
     @classmethod
     def load(cls, root: Path) -> "Assignment":
@@ -51,11 +57,15 @@ class Assignment:
             if unknown:
                 raise ValueError(f"{path}: part {part.id} depends on unknown parts {unknown}")
         settings = data.get("assignment", {})
+        edition = settings.get("edition", "reference")
+        if edition not in ("reference", "student"):
+            raise ValueError(f"{path}: edition must be reference or student, got {edition!r}")
         return cls(
             root,
             parts,
             tuple(settings.get("editable", [])),
             tuple(settings.get("release_exclude", [])),
+            edition,
         )
 
     def restricted_to(self, part_ids: set[str]) -> "Assignment":
@@ -63,7 +73,7 @@ class Assignment:
         for part_id in part_ids:
             self.part(part_id)
         kept = tuple(part for part in self.parts if part.id in part_ids)
-        return Assignment(self.root, kept, self.editable, self.release_exclude)
+        return Assignment(self.root, kept, self.editable, self.release_exclude, self.edition)
 
     def part(self, part_id: str) -> Part:
         for part in self.parts:

@@ -1,19 +1,22 @@
 """The student edition (``vkv assignment release``) and reference hand-outs (``solve``).
 
 The edition is this repository's tracked files, less the instructor-only paths of
-``parts.toml``, with every solution region stubbed and the auto-grading workflows of
-``assignment/workflows/`` in ``.github/workflows/``, committed as the single commit of a new
-git repository: no reference code in its files, nor in its history.
+``parts.toml``, with every solution region stubbed, the student README
+(``assignment/student-README.md``) as its ``README.md``, ``edition = "student"`` in its
+``parts.toml``, and the auto-grading workflows of ``assignment/workflows/`` in
+``.github/workflows/``, committed as the single commit of a new git repository: no reference
+code in its files, nor in its history.
 """
 
 import shutil
 import subprocess
 from pathlib import Path
 
-from vkv.assignment.parts import Assignment
+from vkv.assignment.parts import MANIFEST, Assignment
 from vkv.assignment.regions import RegionError, find_regions, restore_regions, stub_regions
 
 WORKFLOWS = Path("assignment") / "workflows"
+STUDENT_README = Path("assignment") / "student-README.md"
 
 
 def source_files(root: Path, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -74,6 +77,8 @@ def release(root: Path, out: Path, *, commit: bool = True) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     copy_tree(root, out, files)
     stub_tree(out, assignment, set(assignment.part_ids))
+    shutil.copyfile(root / STUDENT_README, out / "README.md")
+    _mark_student_edition(out / MANIFEST)
     for workflow in sorted((root / WORKFLOWS).glob("*.yml")):
         target = out / ".github" / "workflows" / workflow.name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +86,12 @@ def release(root: Path, out: Path, *, commit: bool = True) -> list[str]:
     if commit:
         _commit_single(out)
     return files
+
+
+def _mark_student_edition(manifest: Path) -> None:
+    lines = manifest.read_text().splitlines(keepends=True)
+    at = lines.index("[assignment]\n") + 1
+    manifest.write_text("".join([*lines[:at], 'edition = "student"\n', *lines[at:]]))
 
 
 def solve(root: Path, tree: Path, parts: set[str]) -> list[str]:
