@@ -21,7 +21,12 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_progress: bool = True,
     ) -> list[dict]:
-        """Generate for every prompt; ``[{"text": ..., "token_ids": [...]}]`` in prompt order."""
+        """Generate for every prompt, in prompt order: ``[{"text", "token_ids", "finish_reason"}]``.
+
+        ``finish_reason`` is ``stop`` (EOS), ``length`` (``max_tokens`` or ``max_model_len``),
+        or ``ignored``: the request could never fit the KV cache (its prompt, or the tokens it
+        grew to, need more blocks than the pool has); its text is what it generated until then.
+        """
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         ids = [self.engine.add_request(p, s) for p, s in zip(prompts, sampling_params, strict=True)]
@@ -34,6 +39,7 @@ class LLM:
                         results[output.request_id] = {
                             "text": self.engine.decode(output.token_ids),
                             "token_ids": output.token_ids,
+                            "finish_reason": output.finish_reason,
                         }
                         progress.advance(task)
         return [results[i] for i in ids]

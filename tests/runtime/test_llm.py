@@ -109,3 +109,47 @@ def test_vkv_generate_command(checkpoint, capsys):
     assert code == 0
     expected = tokenizer.decode(greedy(hf, tokenizer.encode("def f").ids, 4))
     assert expected in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_request_that_outgrows_the_pool_ends_ignored_in_both_preemption_modes(checkpoint, mode):
+    """The swap-mode livelock of the review: 8 blocks of 1 token, a 5-token prompt, 20 tokens."""
+    folder, _, _ = checkpoint
+    engine = LLMEngine(
+        folder,
+        block_size=1,
+        num_gpu_blocks=8,
+        num_cpu_blocks=16,
+        max_model_len=64,
+        preemption_mode=mode,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    request = engine.add_request([5, 6, 7, 8, 9], params)
+    steps, finished = 0, []
+    while engine.has_unfinished_requests() and steps < 100:
+        finished += [out for out in engine.step() if out.finished]
+        steps += 1
+    assert not engine.has_unfinished_requests(), f"{mode}: not finished after 100 steps"
+    assert [(out.request_id, out.finish_reason) for out in finished] == [(request, "ignored")], (
+        "8 blocks hold 8 tokens: the sequence can never take its ninth, so it is ignored"
+    )
+    assert len(finished[0].token_ids) == 4, (
+        "it keeps what it generated: 8 tokens fill the pool, and the ninth (sampled from the "
+        "eighth) has no slot for its K/V"
+    )
+    manager = engine.scheduler.block_manager
+    assert manager.num_free_gpu_blocks == 8 and manager.num_free_cpu_blocks == 16
+
+
+def test_generate_returns_when_a_request_outgrows_the_pool(checkpoint):
+    folder, _, _ = checkpoint
+    llm = LLM(folder, block_size=1, num_gpu_blocks=8, num_cpu_blocks=16, preemption_mode="swap")
+    short, long = llm.generate(
+        ["def", "return n"],
+        [
+            SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        ],
+        use_progress=False,
+    )
+    assert short["finish_reason"] == "length" and long["finish_reason"] == "ignored"
