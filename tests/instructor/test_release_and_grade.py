@@ -112,3 +112,21 @@ def test_parts_manifest_is_consistent():
     assert ASSIGNMENT.dependents("2.5") == set()
     with pytest.raises(KeyError):
         ASSIGNMENT.expand("9.9")
+
+
+def test_isolate_blames_the_part_whose_region_is_wrong(tmp_path):
+    """The review's case: the victim is chosen in 2.2's region; with --isolate 2.2 must lose."""
+    out = tmp_path / "student"
+    release(ROOT, out, commit=False)
+    solve(ROOT, out, set(ASSIGNMENT.part_ids))
+    scheduler = out / "vkv/engine/scheduler.py"
+    text = scheduler.read_text()
+    wrong = "victim = queue.popleft() if queue else seq"
+    scheduler.write_text(text.replace("victim = queue.pop() if queue else seq", wrong))
+    assert wrong in scheduler.read_text()
+    result = grade(out, reference=ROOT, parts={"2.2", "2.3"})
+    alone = {r.part.id: r for r in result.isolated}
+    assert alone["2.2"].score < alone["2.2"].part.points, "2.2's own tests see the wrong victim"
+    assert alone["2.3"].score == alone["2.3"].part.points, (
+        "graded alone, part 2.3 (correct) runs with the reference 2.2 and keeps its points"
+    )
