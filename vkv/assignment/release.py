@@ -2,7 +2,7 @@
 
 The edition is this repository's tracked files, less the instructor-only paths of
 ``parts.toml``, with every solution region stubbed, the student README
-(``assignment/student-README.md``) as its ``README.md``, ``edition = "student"`` in its
+(``assignment/student-README.md``, where there is one) as its ``README.md``, ``edition = "student"`` in its
 ``parts.toml``, and the auto-grading workflows of ``assignment/workflows/`` in
 ``.github/workflows/``, committed as the single commit of a new git repository: no reference
 code in its files, nor in its history.
@@ -77,7 +77,8 @@ def release(root: Path, out: Path, *, commit: bool = True) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     copy_tree(root, out, files)
     stub_tree(out, assignment, set(assignment.part_ids))
-    shutil.copyfile(root / STUDENT_README, out / "README.md")
+    if (root / STUDENT_README).is_file():
+        shutil.copyfile(root / STUDENT_README, out / "README.md")
     _mark_student_edition(out / MANIFEST)
     for workflow in sorted((root / WORKFLOWS).glob("*.yml")):
         target = out / ".github" / "workflows" / workflow.name
