@@ -228,6 +228,19 @@ def test_part1_the_never_reason_names_the_blocks_the_pool_and_the_watermark():
     )
 
 
+def test_part1_the_never_reason_gives_the_pool_size_not_the_free_blocks():
+    s = make_scheduler(num_gpu_blocks=10, max_model_len=64)
+    make_seq(s, 0, 8)
+    s.schedule()  # 2 blocks in use: 8 free
+    huge = make_seq(s, 1, 44)  # 11 blocks
+    out = s.schedule()
+    assert [i.seq for i in out.ignored] == [huge]
+    reason = out.ignored[0].reason
+    assert "11 blocks" in reason and "pool has 10" in reason, (
+        f"the reason gives the pool's size (10), not the blocks free now (8): {reason!r}"
+    )
+
+
 def test_part1_admission_keeps_the_watermark_free():
     s = make_scheduler(num_gpu_blocks=10, watermark=0.2)
     make_seq(s, 0, 32)  # 8 blocks: 10 - 8 = 2 = the watermark, OK
@@ -285,6 +298,17 @@ def test_part1_duplicate_seq_id_is_rejected_and_changes_nothing():
     with pytest.raises(ValueError):
         s.add(twin)
     assert s.num_unfinished == 1 and len(s.waiting) == 1
+
+
+def test_part1_the_id_of_a_running_sequence_cannot_be_added_again():
+    s = make_scheduler()
+    make_seq(s, 0, 4)
+    s.schedule()  # 0 runs now: waiting is empty
+    with pytest.raises(ValueError):
+        s.add(Sequence(0, [1, 2], 4))
+    assert ids(s.running) == [0] and not s.waiting and s.num_unfinished == 1, (
+        "an id is taken while its sequence is unfinished, in any queue, not only in waiting"
+    )
 
 
 def test_part1_add_rejects_a_sequence_that_is_not_fresh_or_of_another_block_size():
@@ -395,6 +419,16 @@ def test_part2_finishes_on_eos_unless_ignore_eos():
     assert ids(s.running) == [1]
 
 
+def test_part2_eos_wins_over_max_tokens():
+    s = make_scheduler()
+    seq = make_seq(s, 0, 4, max_tokens=1)
+    step(s, token=EOS)
+    assert seq.status is SequenceStatus.FINISHED_STOPPED, (
+        "the first token is EOS and also the max_tokens-th: EOS wins (FINISHED_STOPPED), "
+        f"got {seq.status.name}"
+    )
+
+
 def test_part2_finishes_past_max_model_len():
     s = make_scheduler(max_model_len=8)
     seq = make_seq(s, 0, 6, max_tokens=100)
@@ -453,24 +487,61 @@ def test_part2_when_blocks_run_out_the_newest_unhandled_sequence_is_preempted(mo
     assert planned(out) == [(0, 1, False), (1, 1, False)] and ids(s.running) == [0, 1]
 
 
-def test_part2_a_copy_on_write_goes_into_blocks_to_copy():
+def test_part2_copies_on_write_go_into_blocks_to_copy():
     s = make_scheduler()
     a = make_seq(s, 0, 5)
     step(s)  # 6 tokens in 2 blocks, the last one half full
-    b = Sequence(1, a.token_ids, 4, SamplingParams(max_tokens=16), arrival_time=1.0)
-    s.block_manager.fork(a, b)  # a parallel sample, made by hand: b shares both blocks
-    b.status, b.num_computed_tokens, b.is_prefill = SequenceStatus.RUNNING, 5, False
-    s.running.append(b)
+    for seq_id in (1, 2):  # two parallel samples, made by hand: they share a's blocks
+        child = Sequence(seq_id, a.token_ids, 4, SamplingParams(max_tokens=16), seq_id)
+        s.block_manager.fork(a, child)
+        child.status, child.num_computed_tokens, child.is_prefill = SequenceStatus.RUNNING, 5, False
+        s.running.append(child)
+    b, c = s.running[1:]
     shared = a.block_table[-1]
     out = s.schedule()
-    assert out.blocks_to_copy == {shared: [a.block_table[-1]]}, (
-        f"a's newest token goes into shared block {shared}: append_slot copies it, and "
-        f"blocks_to_copy must say {{src: [dst]}}; got {out.blocks_to_copy}"
+    expected = {shared: [a.block_table[-1], b.block_table[-1]]}
+    assert out.blocks_to_copy == expected, (
+        f"a and b write their newest token into shared block {shared}: each gets a copy, and "
+        f"blocks_to_copy lists both as {{src: [dst, dst]}}: expected {expected}, got "
+        f"{out.blocks_to_copy}"
     )
-    assert b.block_table[-1] == shared, "b then holds the block alone and writes it in place"
+    assert c.block_table[-1] == shared, "c then holds the block alone and writes it in place"
 
 
-def test_part2_a_completed_prefill_ends_the_prefill_a_short_chunk_does_not():
+def test_part2_after_a_recompute_a_chunk_short_of_the_generated_tokens_yields_nothing():
+    s = chunked()
+    seq = make_seq(s, 0, 7)
+    out = s.schedule()
+    s.postprocess(out.scheduled, [TOKEN])  # 8 tokens: 7 prompt + 1 generated
+    seq.num_computed_tokens, seq.is_prefill = 0, True  # as a recompute leaves it (part 2.3)
+    s.postprocess([ScheduledSequence(seq, 7, is_prefill=True)], [TOKEN])
+    assert (seq.num_tokens, seq.num_computed_tokens, seq.is_prefill) == (8, 7, True), (
+        "a chunk that covers the prompt but not the generated token stops short of the end: no "
+        f"token, still in its prefill; got {seq.num_tokens} tokens, {seq.num_computed_tokens} "
+        f"computed, is_prefill={seq.is_prefill}"
+    )
+    s.postprocess([ScheduledSequence(seq, 1, is_prefill=True)], [TOKEN])
+    assert (seq.num_tokens, seq.num_computed_tokens, seq.is_prefill) == (9, 8, False)
+
+
+def test_part2_decodes_come_before_an_older_prefill(monkeypatch):
+    s = chunked()
+    young = make_seq(s, 0, 4, arrival=5.0)
+    old = make_seq(s, 1, 40, arrival=1.0)  # added second, but arrived first
+    step(s)  # young: 4 tokens; old: 12 of 40
+    assert ids(s.running) == [1, 0] and old.is_prefill and not young.is_prefill
+    calls = []
+    monkeypatch.setattr(
+        s,
+        "_schedule_prefill_chunks",
+        lambda seqs, out, budget: calls.append((ids(seqs), planned(out))),
+    )
+    out = s.schedule()
+    assert calls == [([1], [(0, 1, False)])], (
+        "every decode is scheduled before the prefills are passed on, even when the prefill "
+        f"is the older sequence: (prefills, decodes so far) at the call, got {calls}"
+    )
+    assert planned(out) == [(0, 1, False)]
     s = chunked()
     seq = make_seq(s, 0, 20)
     out = s.schedule()  # admitted with a chunk of 16
@@ -666,6 +737,17 @@ def test_part3_a_sequence_that_outgrew_the_pool_is_ignored_and_the_next_runs():
     check_outgrown_is_ignored_and_the_small_one_runs(*outgrowing_then_small("recompute"))
 
 
+def test_part3_a_swap_without_room_falls_back_to_recompute(monkeypatch):
+    s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=8)
+    monkeypatch.setattr(s, "_preempt_by_swap", lambda seq, out: False)  # as if the CPU is full
+    out = s.schedule()
+    assert out.preempted == [new] and new.status is SequenceStatus.WAITING, (
+        "when _preempt_by_swap says False, _preempt recomputes instead: the victim waits, "
+        f"got {new.status.name}"
+    )
+    assert new.block_table == [] and s.waiting[0] is new and s.num_preemptions == 1
+
+
 def test_part3_auto_mode_recomputes_single_sequences():
     s, _, new = full_pool_of_two(mode="auto", num_cpu_blocks=16)
     out = s.schedule()
@@ -822,6 +904,30 @@ def test_part4_aborting_a_swapped_sequence_frees_its_cpu_blocks():
         "an aborted swapped sequence's CPU blocks are freed at once"
     )
     assert s.swapped == [] and s.num_unfinished == 1
+
+
+def test_part4_no_swap_in_when_the_token_budget_is_spent(monkeypatch):
+    s = chunked(num_gpu_blocks=16, num_cpu_blocks=8, preemption_mode="swap")
+    back = make_seq(s, 0, 4)
+    make_seq(s, 1, 40)
+    out = s.schedule()  # back: 4 tokens; prefill: 12 of 40
+    s.postprocess(out.scheduled, [TOKEN, TOKEN])
+    s.running.remove(back)  # swapped out by hand
+    s.block_manager.swap_out([back])
+    back.status = SequenceStatus.SWAPPED
+    s.swapped.append(back)
+
+    def spend_the_budget(seqs, out, budget):  # a stand-in for part 2.5
+        for seq in seqs:
+            out.scheduled.append(ScheduledSequence(seq, budget.remaining_tokens, True))
+            budget.add(budget.remaining_tokens, 0)
+
+    monkeypatch.setattr(s, "_schedule_prefill_chunks", spend_the_budget)
+    out = s.schedule()
+    assert back.status is SequenceStatus.SWAPPED and not out.blocks_to_swap_in, (
+        "the prefill chunk spent the 16-token budget: a decode swapped in now would make 17"
+    )
+    assert out.num_batched_tokens == 16
 
 
 def test_part4_falls_back_to_recompute_when_the_cpu_pool_is_full():
