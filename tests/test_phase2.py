@@ -122,13 +122,24 @@ def check_outgrown_is_ignored_and_the_small_one_runs(s, big, small) -> None:
         f"can never run again and must end FINISHED_IGNORED, got {big.status.name}"
     )
     reasons = [i.reason for out in outs for i in out.ignored if i.seq is big]
-    assert len(reasons) == 1 and "3 blocks" in reasons[0] and "2" in reasons[0], (
+    assert len(reasons) == 1, (
+        f"the outgrown sequence is ignored once, and then is in no queue: expected 1 entry in "
+        f"out.ignored over the run, got {len(reasons)}: {reasons}"
+    )
+    assert "3 blocks" in reasons[0] and "2" in reasons[0], (
         f"the reason names the blocks it needs (3) and the pool (2): {reasons}"
     )
     assert small.status is SequenceStatus.FINISHED_LENGTH_CAPPED, (
         f"the 3-token request behind it must run to its end, got {small.status.name}"
     )
-    assert s.block_manager.num_free_gpu_blocks == 2 and s.block_manager.num_free_cpu_blocks == 2
+    assert s.block_manager.num_free_gpu_blocks == 2, (
+        "finished sequences hold no block: once all have finished, the 2 GPU blocks are free; "
+        f"got {s.block_manager.num_free_gpu_blocks} free"
+    )
+    assert s.block_manager.num_free_cpu_blocks == 2, (
+        "finished sequences hold no block: once all have finished, the 2 CPU blocks are free; "
+        f"got {s.block_manager.num_free_cpu_blocks} free"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,10 +154,27 @@ def test_part1_admits_waiting_prompts_first_come_first_served_as_one_prefill_ste
     assert planned(out) == [(0, 5, True), (1, 9, True), (2, 3, True)], (
         "each admitted prompt is scheduled as one prefill of all its tokens, oldest first"
     )
-    assert out.kind == "prefill" and out.num_batched_tokens == 17
-    assert ids(s.running) == [0, 1, 2] and not s.waiting
-    assert all(seq.status is SequenceStatus.RUNNING for seq in (a, b, c))
-    assert [len(seq.block_table) for seq in (a, b, c)] == [2, 3, 1], "admission allocates blocks"
+    assert out.kind == "prefill", (
+        f"a step that admits prompts is a prefill step, got kind {out.kind!r}"
+    )
+    assert out.num_batched_tokens == 17, (
+        f"the step computes every admitted prompt token: 5 + 9 + 3 = 17, "
+        f"got {out.num_batched_tokens}"
+    )
+    assert ids(s.running) == [0, 1, 2], (
+        f"admitted sequences join running in arrival order: expected [0, 1, 2], "
+        f"got {ids(s.running)}"
+    )
+    assert not s.waiting, (
+        f"admission pops each admitted sequence from waiting: expected [], got {ids(s.waiting)}"
+    )
+    assert all(seq.status is SequenceStatus.RUNNING for seq in (a, b, c)), (
+        f"an admitted sequence becomes RUNNING: got {[seq.status.name for seq in (a, b, c)]}"
+    )
+    assert [len(seq.block_table) for seq in (a, b, c)] == [2, 3, 1], (
+        "admission allocates the blocks of each prompt: 5, 9, 3 tokens in blocks of 4 need 2, "
+        f"3, 1 blocks; got {[len(seq.block_table) for seq in (a, b, c)]}"
+    )
 
 
 def test_part1_max_num_seqs_caps_admission():
@@ -154,8 +182,13 @@ def test_part1_max_num_seqs_caps_admission():
     for i in range(4):
         make_seq(s, i, 3)
     out = s.schedule()
-    assert ids(out.seqs) == [0, 1], "at most max_num_seqs=2 sequences may run"
-    assert ids(s.waiting) == [2, 3]
+    assert ids(out.seqs) == [0, 1], (
+        f"at most max_num_seqs=2 sequences may run: expected [0, 1], got {ids(out.seqs)}"
+    )
+    assert ids(s.waiting) == [2, 3], (
+        "the prompts over max_num_seqs stay in waiting, in order: expected [2, 3], "
+        f"got {ids(s.waiting)}"
+    )
 
 
 def test_part1_token_budget_caps_admission_without_overtaking():
@@ -168,7 +201,10 @@ def test_part1_token_budget_caps_admission_without_overtaking():
         f"budget 64 tokens: admit the 40-token prompt and stop at the 30-token one (FCFS), "
         f"got {ids(out.seqs)}"
     )
-    assert ids(s.waiting) == [1, 2]
+    assert ids(s.waiting) == [1, 2], (
+        "the 30-token prompt and the one behind it stay in waiting, in order (FCFS: nobody "
+        f"overtakes): expected [1, 2], got {ids(s.waiting)}"
+    )
 
 
 def test_part1_later_stops_admission_for_this_step():
@@ -177,10 +213,25 @@ def test_part1_later_stops_admission_for_this_step():
     later = make_seq(s, 1, 16)  # 4 blocks: only 3 left -> LATER
     make_seq(s, 2, 4)  # 1 block would fit, but FCFS: no overtaking
     out = s.schedule()
-    assert ids(out.seqs) == [0]
-    assert list(s.waiting) == [later, s.waiting[1]] and later.status is SequenceStatus.WAITING
-    assert later.block_table == [], "a sequence that must wait holds no blocks"
-    assert not out.ignored
+    assert ids(out.seqs) == [0], (
+        "the 16-token prompt needs 4 blocks and 3 are free (LATER): admission stops for this "
+        f"step, and the 1-block prompt behind it may not overtake (FCFS); expected [0], "
+        f"got {ids(out.seqs)}"
+    )
+    assert list(s.waiting) == [later, s.waiting[1]], (
+        "a LATER sequence stays at the front of waiting, the one behind it after it: expected "
+        f"[1, 2], got {ids(s.waiting)}"
+    )
+    assert later.status is SequenceStatus.WAITING, (
+        f"a sequence that must wait stays WAITING, got {later.status.name}"
+    )
+    assert later.block_table == [], (
+        f"a sequence that must wait holds no blocks, got block table {later.block_table}"
+    )
+    assert not out.ignored, (
+        "LATER is not NEVER: a prompt that fits the pool alone is not ignored; "
+        f"got ignored {ids(i.seq for i in out.ignored)}"
+    )
 
 
 def test_part1_prompt_longer_than_max_model_len_is_ignored_with_a_reason():
@@ -188,11 +239,29 @@ def test_part1_prompt_longer_than_max_model_len_is_ignored_with_a_reason():
     too_long = make_seq(s, 0, 17)
     fine = make_seq(s, 1, 4)
     out = s.schedule()
-    assert [i.seq for i in out.ignored] == [too_long]
-    assert "max_model_len" in out.ignored[0].reason, f"reason: {out.ignored[0].reason!r}"
-    assert too_long.status is SequenceStatus.FINISHED_IGNORED and too_long.block_table == []
-    assert ids(out.seqs) == [1], "an ignored request must not hold up the ones behind it"
-    assert fine.status is SequenceStatus.RUNNING and s.num_unfinished == 1
+    assert [i.seq for i in out.ignored] == [too_long], (
+        "a prompt longer than max_model_len (17 > 16) is ignored: expected out.ignored to hold "
+        f"sequence 0, got {ids(i.seq for i in out.ignored)}"
+    )
+    assert "max_model_len" in out.ignored[0].reason, (
+        f"the reason names max_model_len, got {out.ignored[0].reason!r}"
+    )
+    assert too_long.status is SequenceStatus.FINISHED_IGNORED, (
+        f"an ignored prompt finishes as FINISHED_IGNORED, got {too_long.status.name}"
+    )
+    assert too_long.block_table == [], (
+        f"an ignored prompt holds no blocks, got block table {too_long.block_table}"
+    )
+    assert ids(out.seqs) == [1], (
+        f"an ignored request must not hold up the ones behind it: expected [1], got {ids(out.seqs)}"
+    )
+    assert fine.status is SequenceStatus.RUNNING, (
+        f"the 4-token prompt behind it is admitted (RUNNING), got {fine.status.name}"
+    )
+    assert s.num_unfinished == 1, (
+        "an ignored sequence is finished and in no queue: 1 unfinished sequence expected, got "
+        f"{s.num_unfinished} (waiting {ids(s.waiting)}, running {ids(s.running)})"
+    )
 
 
 def test_part1_a_prompt_of_exactly_max_model_len_is_admitted():
@@ -200,9 +269,12 @@ def test_part1_a_prompt_of_exactly_max_model_len_is_admitted():
     seq = make_seq(s, 0, 16)
     out = s.schedule()
     assert ids(out.seqs) == [0] and not out.ignored, (
-        "max_model_len is the longest allowed prompt: 16 tokens of 16 must run"
+        "max_model_len is the longest allowed prompt: 16 tokens of 16 must run; got scheduled "
+        f"{ids(out.seqs)}, ignored {ids(i.seq for i in out.ignored)}"
     )
-    assert seq.status is SequenceStatus.RUNNING
+    assert seq.status is SequenceStatus.RUNNING, (
+        f"an admitted prompt is RUNNING, got {seq.status.name}"
+    )
 
 
 def test_part1_prompt_that_never_fits_the_pool_is_ignored():
@@ -210,17 +282,31 @@ def test_part1_prompt_that_never_fits_the_pool_is_ignored():
     huge = make_seq(s, 0, 17)  # 5 blocks > 4
     make_seq(s, 1, 4)
     out = s.schedule()
-    assert [i.seq for i in out.ignored] == [huge], "AllocStatus.NEVER means FINISHED_IGNORED"
-    assert huge.status is SequenceStatus.FINISHED_IGNORED
-    assert ids(out.seqs) == [1]
-    assert s.block_manager.num_free_gpu_blocks == 3
+    assert [i.seq for i in out.ignored] == [huge], (
+        "a prompt of 5 blocks can never fit a pool of 4 (can_allocate is NEVER): it is ignored; "
+        f"expected out.ignored to hold sequence 0, got {ids(i.seq for i in out.ignored)}"
+    )
+    assert huge.status is SequenceStatus.FINISHED_IGNORED, (
+        f"NEVER means FINISHED_IGNORED, got {huge.status.name}"
+    )
+    assert ids(out.seqs) == [1], (
+        f"an ignored request must not hold up the ones behind it: expected [1], got {ids(out.seqs)}"
+    )
+    assert s.block_manager.num_free_gpu_blocks == 3, (
+        "the ignored prompt holds no block and the admitted one 1: 3 of 4 blocks free, "
+        f"got {s.block_manager.num_free_gpu_blocks}"
+    )
 
 
 def test_part1_the_never_reason_names_the_blocks_the_pool_and_the_watermark():
     s = make_scheduler(num_gpu_blocks=10, watermark=0.2, max_model_len=64)
     huge = make_seq(s, 0, 33)  # 9 blocks: 10 - 9 < 2
     out = s.schedule()
-    assert [i.seq for i in out.ignored] == [huge]
+    assert [i.seq for i in out.ignored] == [huge], (
+        "can_allocate is NEVER: 9 blocks would leave 1 of a pool of 10 free, under the watermark "
+        f"of 2; it is ignored: expected sequence 0 in out.ignored, got "
+        f"{ids(i.seq for i in out.ignored)}"
+    )
     reason = out.ignored[0].reason
     assert "9 blocks" in reason and "10" in reason and "watermark of 2" in reason, (
         f"say what it needs and what the pool keeps: 9 blocks, a pool of 10, a watermark of 2; "
@@ -234,7 +320,10 @@ def test_part1_the_never_reason_gives_the_pool_size_not_the_free_blocks():
     s.schedule()  # 2 blocks in use: 8 free
     huge = make_seq(s, 1, 44)  # 11 blocks
     out = s.schedule()
-    assert [i.seq for i in out.ignored] == [huge]
+    assert [i.seq for i in out.ignored] == [huge], (
+        "an 11-block prompt can never fit a pool of 10 (NEVER): it is ignored; expected sequence "
+        f"1 in out.ignored, got {ids(i.seq for i in out.ignored)}"
+    )
     reason = out.ignored[0].reason
     assert "11 blocks" in reason and "pool has 10" in reason, (
         f"the reason gives the pool's size (10), not the blocks free now (8): {reason!r}"
@@ -250,7 +339,13 @@ def test_part1_admission_keeps_the_watermark_free():
         "after an 8-block prompt 2 blocks are free, all of them the watermark's: the 1-block "
         f"prompt must wait (LATER), got {ids(out.seqs)}"
     )
-    assert late.status is SequenceStatus.WAITING and not out.ignored
+    assert late.status is SequenceStatus.WAITING, (
+        f"a prompt that must wait (LATER) stays WAITING, got {late.status.name}"
+    )
+    assert not out.ignored, (
+        "LATER is not NEVER: the 1-block prompt fits the pool alone and is not ignored; "
+        f"got ignored {ids(i.seq for i in out.ignored)}"
+    )
 
 
 def test_part1_with_chunked_prefill_the_last_prompt_is_cut_to_the_budget_left():
@@ -263,8 +358,13 @@ def test_part1_with_chunked_prefill_the_last_prompt_is_cut_to_the_budget_left():
         "with chunked prefill a prompt is admitted with as many tokens as the budget (16) "
         f"leaves: 5, then 11 of 20; got {planned(out)}"
     )
-    assert ids(s.waiting) == [2], "the budget is spent: the third prompt waits"
-    assert out.num_batched_tokens == 16
+    assert ids(s.waiting) == [2], (
+        f"the budget is spent: the third prompt waits; expected [2], got {ids(s.waiting)}"
+    )
+    assert out.num_batched_tokens == 16, (
+        "admission fills the token budget of 16 and never exceeds it: expected 16 tokens, "
+        f"got {out.num_batched_tokens}"
+    )
 
 
 def test_part1_with_chunked_prefill_no_prompt_is_admitted_with_zero_tokens():
@@ -276,7 +376,8 @@ def test_part1_with_chunked_prefill_no_prompt_is_admitted_with_zero_tokens():
         f"the budget of 16 is spent by the first prompt, got {planned(out)}"
     )
     assert late.status is SequenceStatus.WAITING and late.block_table == [], (
-        "a prompt that would get 0 tokens is not admitted: it waits and holds no blocks"
+        "a prompt that would get 0 tokens is not admitted: it waits and holds no blocks; got "
+        f"{late.status.name} with block table {late.block_table}"
     )
 
 
@@ -297,7 +398,10 @@ def test_part1_duplicate_seq_id_is_rejected_and_changes_nothing():
     twin = Sequence(0, [1, 2], 4)
     with pytest.raises(ValueError):
         s.add(twin)
-    assert s.num_unfinished == 1 and len(s.waiting) == 1
+    assert s.num_unfinished == 1 and len(s.waiting) == 1, (
+        "a rejected add changes nothing: still 1 unfinished sequence, in waiting; got "
+        f"{s.num_unfinished} unfinished, waiting {ids(s.waiting)}"
+    )
 
 
 def test_part1_the_id_of_a_running_sequence_cannot_be_added_again():
@@ -307,7 +411,8 @@ def test_part1_the_id_of_a_running_sequence_cannot_be_added_again():
     with pytest.raises(ValueError):
         s.add(Sequence(0, [1, 2], 4))
     assert ids(s.running) == [0] and not s.waiting and s.num_unfinished == 1, (
-        "an id is taken while its sequence is unfinished, in any queue, not only in waiting"
+        "an id is taken while its sequence is unfinished, in any queue, not only in waiting: "
+        f"the add must change nothing; got running {ids(s.running)}, waiting {ids(s.waiting)}"
     )
 
 
@@ -319,18 +424,35 @@ def test_part1_add_rejects_a_sequence_that_is_not_fresh_or_of_another_block_size
         s.add(used)
     with pytest.raises(ValueError):
         s.add(Sequence(2, [1, 2], 8))
-    assert s.num_unfinished == 0
+    assert s.num_unfinished == 0, (
+        "a rejected add changes nothing: no sequence is queued; got "
+        f"{s.num_unfinished} unfinished (waiting {ids(s.waiting)})"
+    )
 
 
 def test_part1_abort_a_waiting_and_a_running_sequence():
     s = make_scheduler(max_num_seqs=1)
     running, waiting = make_seq(s, 0, 8), make_seq(s, 1, 8)
     s.schedule()
-    assert s.abort(1) is waiting and waiting.status is SequenceStatus.FINISHED_ABORTED
+    assert s.abort(1) is waiting, "abort(seq_id) returns the sequence it finished"
+    assert waiting.status is SequenceStatus.FINISHED_ABORTED, (
+        f"abort finishes a waiting sequence as FINISHED_ABORTED, got {waiting.status.name}"
+    )
     s.abort(0)
-    assert running.status is SequenceStatus.FINISHED_ABORTED
-    assert running.block_table == [], "an aborted sequence's blocks are freed at once"
-    assert s.block_manager.num_free_gpu_blocks == 64 and s.is_finished()
+    assert running.status is SequenceStatus.FINISHED_ABORTED, (
+        f"abort finishes a running sequence as FINISHED_ABORTED, got {running.status.name}"
+    )
+    assert running.block_table == [], (
+        f"an aborted sequence's blocks are freed at once, got block table {running.block_table}"
+    )
+    assert s.block_manager.num_free_gpu_blocks == 64, (
+        "an aborted sequence's blocks are freed at once: all 64 free, got "
+        f"{s.block_manager.num_free_gpu_blocks}"
+    )
+    assert s.is_finished(), (
+        "abort takes a sequence out of its queue: expected none left, got waiting "
+        f"{ids(s.waiting)}, running {ids(s.running)}"
+    )
 
 
 def test_part1_abort_finds_a_swapped_sequence_and_frees_its_blocks():
@@ -340,10 +462,17 @@ def test_part1_abort_finds_a_swapped_sequence_and_frees_its_blocks():
     s.running.remove(seq)  # moved to swapped by hand (a real swap-out is part 2.4's)
     seq.status = SequenceStatus.SWAPPED
     s.swapped.append(seq)
-    assert s.abort(0) is seq and seq.status is SequenceStatus.FINISHED_ABORTED
-    assert s.swapped == [] and s.is_finished(), "abort takes it out of the queue its status names"
+    assert s.abort(0) is seq, "abort(seq_id) returns the sequence it finished"
+    assert seq.status is SequenceStatus.FINISHED_ABORTED, (
+        f"abort finishes a swapped sequence as FINISHED_ABORTED, got {seq.status.name}"
+    )
+    assert s.swapped == [] and s.is_finished(), (
+        "abort takes it out of the queue its status names: got swapped "
+        f"{ids(s.swapped)}, {s.num_unfinished} unfinished"
+    )
     assert seq.block_table == [] and s.block_manager.num_free_gpu_blocks == 64, (
-        "an aborted sequence's blocks are freed at once, wherever it is queued"
+        "an aborted sequence's blocks are freed at once, wherever it is queued: got block "
+        f"table {seq.block_table}, {s.block_manager.num_free_gpu_blocks} of 64 blocks free"
     )
 
 
@@ -356,7 +485,14 @@ def test_part1_aborting_an_unknown_id_raises_and_changes_nothing():
     s.abort(0)
     with pytest.raises(ValueError):
         s.abort(0)  # already finished
-    assert s.block_manager.num_free_gpu_blocks == 64 and s.is_finished()
+    assert s.block_manager.num_free_gpu_blocks == 64, (
+        "the aborted sequence's blocks are freed, and a failed abort changes nothing: all 64 "
+        f"free, got {s.block_manager.num_free_gpu_blocks}"
+    )
+    assert s.is_finished(), (
+        "a failed abort changes nothing and the aborted sequence left its queue: expected none "
+        f"left, got waiting {ids(s.waiting)}, running {ids(s.running)}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,8 +507,18 @@ def test_part2_prefill_yields_the_first_token_then_each_decode_one_more():
     assert seq.completion_token_ids == [11], "a finished prefill samples the first new token"
     assert seq.num_computed_tokens == 6, "the prefill computed the 6 prompt tokens"
     out = step(s, token=12)
-    assert planned(out) == [(0, 1, False)] and out.kind == "decode"
-    assert seq.completion_token_ids == [11, 12] and seq.num_computed_tokens == 7
+    assert planned(out) == [(0, 1, False)], (
+        "after its prefill a sequence is a decode of one token (is_prefill False): expected "
+        f"[(0, 1, False)] as (id, tokens, prefill), got {planned(out)}"
+    )
+    assert out.kind == "decode", f"a step of decodes only is a decode step, got {out.kind!r}"
+    assert seq.completion_token_ids == [11, 12], (
+        "postprocess appends each step's sampled token: expected completion [11, 12], got "
+        f"{seq.completion_token_ids}"
+    )
+    assert seq.num_computed_tokens == 7, (
+        f"the decode computed one token: 6 + 1 = 7 computed, got {seq.num_computed_tokens}"
+    )
 
 
 def test_part2_decode_step_runs_every_running_sequence_once():
@@ -381,18 +527,29 @@ def test_part2_decode_step_runs_every_running_sequence_once():
         make_seq(s, i, 4 + i)
     step(s)
     out = step(s)
-    assert planned(out) == [(0, 1, False), (1, 1, False), (2, 1, False)]
+    assert planned(out) == [(0, 1, False), (1, 1, False), (2, 1, False)], (
+        "a decode step gives every running sequence, oldest first, one decode token; got "
+        f"{planned(out)} as (id, tokens, prefill)"
+    )
 
 
 def test_part2_decode_takes_a_new_block_exactly_at_a_block_boundary():
     s = make_scheduler()
     seq = make_seq(s, 0, 7, max_tokens=30)  # 7 tokens: 2 blocks of 4
     step(s)  # prefill -> token 8, still in block 2
-    assert len(seq.block_table) == 2
+    assert len(seq.block_table) == 2, (
+        "a 7-token prompt is admitted with 2 blocks of 4, and its sampled eighth token still "
+        f"fits block 2: 2 blocks expected, got {len(seq.block_table)}"
+    )
     step(s)  # decode token 8 (in block 2), sample token 9
-    assert len(seq.block_table) == 2
+    assert len(seq.block_table) == 2, (
+        "the token at position 7 fits the last slot of block 2: no new block before a block "
+        f"boundary, 2 blocks expected, got {len(seq.block_table)}"
+    )
     step(s)  # decode token 9: opens block 3
-    assert len(seq.block_table) == 3, "the token at position 8 needs a third block of 4"
+    assert len(seq.block_table) == 3, (
+        f"the token at position 8 needs a third block of 4, got {len(seq.block_table)} blocks"
+    )
 
 
 def test_part2_finishes_at_max_tokens_and_frees_blocks_at_once():
@@ -401,11 +558,25 @@ def test_part2_finishes_at_max_tokens_and_frees_blocks_at_once():
     finished = []
     for _ in range(3):
         finished += s.postprocess((out := s.schedule()).scheduled, [TOKEN] * len(out.scheduled))
-    assert finished == [seq]
-    assert seq.status is SequenceStatus.FINISHED_LENGTH_CAPPED
-    assert seq.num_completion_tokens == 3
-    assert seq.block_table == [] and s.block_manager.num_free_gpu_blocks == 64
-    assert s.running == [] and s.is_finished()
+    assert finished == [seq], (
+        "postprocess returns the sequences that finished: sequence 0, at its third token; got "
+        f"{ids(finished)}"
+    )
+    assert seq.status is SequenceStatus.FINISHED_LENGTH_CAPPED, (
+        "num_completion_tokens >= max_tokens (3) means FINISHED_LENGTH_CAPPED, got "
+        f"{seq.status.name}"
+    )
+    assert seq.num_completion_tokens == 3, (
+        f"it stops at max_tokens: 3 completion tokens expected, got {seq.num_completion_tokens}"
+    )
+    assert seq.block_table == [] and s.block_manager.num_free_gpu_blocks == 64, (
+        "a finished sequence frees its blocks in postprocess, not at the next schedule: got "
+        f"block table {seq.block_table}, {s.block_manager.num_free_gpu_blocks} of 64 free"
+    )
+    assert s.running == [] and s.is_finished(), (
+        "postprocess rebuilds running without the finished: expected no sequence left, got "
+        f"running {ids(s.running)}, waiting {ids(s.waiting)}"
+    )
 
 
 def test_part2_finishes_on_eos_unless_ignore_eos():
@@ -413,10 +584,19 @@ def test_part2_finishes_on_eos_unless_ignore_eos():
     stops = make_seq(s, 0, 4, max_tokens=10)
     goes_on = make_seq(s, 1, 4, max_tokens=10, ignore_eos=True)
     step(s, token=EOS)
-    assert stops.status is SequenceStatus.FINISHED_STOPPED
-    assert stops.completion_token_ids == [EOS], "the EOS token is part of the output"
-    assert goes_on.status is SequenceStatus.RUNNING, "ignore_eos keeps generating past EOS"
-    assert ids(s.running) == [1]
+    assert stops.status is SequenceStatus.FINISHED_STOPPED, (
+        f"the EOS token finishes a sequence as FINISHED_STOPPED, got {stops.status.name}"
+    )
+    assert stops.completion_token_ids == [EOS], (
+        f"the EOS token is part of the output: expected [{EOS}], got {stops.completion_token_ids}"
+    )
+    assert goes_on.status is SequenceStatus.RUNNING, (
+        f"ignore_eos keeps generating past EOS: expected RUNNING, got {goes_on.status.name}"
+    )
+    assert ids(s.running) == [1], (
+        "the stopped sequence leaves running in postprocess, the ignore_eos one stays: "
+        f"expected [1], got {ids(s.running)}"
+    )
 
 
 def test_part2_eos_wins_over_max_tokens():
@@ -436,7 +616,10 @@ def test_part2_finishes_past_max_model_len():
         step(s)
         if seq.is_finished:
             break
-    assert seq.status is SequenceStatus.FINISHED_LENGTH_CAPPED
+    assert seq.status is SequenceStatus.FINISHED_LENGTH_CAPPED, (
+        "a sequence with more than max_model_len (8) tokens finishes as FINISHED_LENGTH_CAPPED, "
+        f"got {seq.status.name} with {seq.num_tokens} tokens"
+    )
     assert seq.num_tokens == 9, (
         f"with max_model_len 8 a sequence stops when it passes 8 tokens; it has {seq.num_tokens}"
     )
@@ -449,12 +632,22 @@ def test_part2_a_finished_sequences_place_is_refilled_the_next_step():
     waiting = make_seq(s, 2, 4, max_tokens=10)
     step(s)  # prefill 0 and 1
     step(s)  # decode: sequence 0 finishes
-    assert ids(s.running) == [1]
+    assert ids(s.running) == [1], (
+        "sequence 0 reached max_tokens=2: it leaves running in postprocess; expected [1], got "
+        f"{ids(s.running)}"
+    )
     out = step(s)
     assert ids(out.seqs) == [2] and out.kind == "prefill", (
-        "continuous batching: the freed place goes to the waiting request at the next step"
+        "continuous batching: the freed place goes to the waiting request at the next step, a "
+        f"prefill step; got {planned(out)} as (id, tokens, prefill)"
     )
-    assert ids(s.running) == [1, 2] and waiting.status is SequenceStatus.RUNNING
+    assert ids(s.running) == [1, 2], (
+        f"the admitted request joins running in arrival order: expected [1, 2], "
+        f"got {ids(s.running)}"
+    )
+    assert waiting.status is SequenceStatus.RUNNING, (
+        f"the admitted request is RUNNING, got {waiting.status.name}"
+    )
 
 
 def stand_in_preempt(s: Scheduler) -> tuple[list[int], object]:
@@ -484,7 +677,13 @@ def test_part2_when_blocks_run_out_the_newest_unhandled_sequence_is_preempted(mo
         "0 needs a block: preempt the newest (3); 1 takes the other freed block; 2 needs one and "
         f"is the newest left: it preempts itself. _preempt got {victims}, expected [3, 2]"
     )
-    assert planned(out) == [(0, 1, False), (1, 1, False)] and ids(s.running) == [0, 1]
+    assert planned(out) == [(0, 1, False), (1, 1, False)], (
+        "0 and 1 get their blocks and decode, oldest first: expected [(0, 1, False), "
+        f"(1, 1, False)] as (id, tokens, prefill), got {planned(out)}"
+    )
+    assert ids(s.running) == [0, 1], (
+        f"the preempted sequences leave running: expected [0, 1], got {ids(s.running)}"
+    )
 
 
 def test_part2_copies_on_write_go_into_blocks_to_copy():
@@ -521,7 +720,11 @@ def test_part2_after_a_recompute_a_chunk_short_of_the_generated_tokens_yields_no
         f"computed, is_prefill={seq.is_prefill}"
     )
     s.postprocess([ScheduledSequence(seq, 1, is_prefill=True)], [TOKEN])
-    assert (seq.num_tokens, seq.num_computed_tokens, seq.is_prefill) == (9, 8, False)
+    assert (seq.num_tokens, seq.num_computed_tokens, seq.is_prefill) == (9, 8, False), (
+        "the chunk that computes the last (generated) token ends the prefill and appends the "
+        f"sampled token: expected 9 tokens, 8 computed, is_prefill=False; got {seq.num_tokens} "
+        f"tokens, {seq.num_computed_tokens} computed, is_prefill={seq.is_prefill}"
+    )
 
 
 def test_part2_decodes_come_before_an_older_prefill(monkeypatch):
@@ -529,7 +732,18 @@ def test_part2_decodes_come_before_an_older_prefill(monkeypatch):
     young = make_seq(s, 0, 4, arrival=5.0)
     old = make_seq(s, 1, 40, arrival=1.0)  # added second, but arrived first
     step(s)  # young: 4 tokens; old: 12 of 40
-    assert ids(s.running) == [1, 0] and old.is_prefill and not young.is_prefill
+    assert ids(s.running) == [1, 0], (
+        "running is kept in arrival order (1 arrived at 1.0, 0 at 5.0), not in add order: "
+        f"expected [1, 0], got {ids(s.running)}"
+    )
+    assert old.is_prefill, (
+        "the 40-token prompt, admitted with a chunk of 12, is still in its prefill: expected "
+        f"is_prefill=True, got {old.is_prefill} ({old.num_computed_tokens} computed)"
+    )
+    assert not young.is_prefill, (
+        "the 4-token prompt computed all its tokens: its prefill ended (is_prefill=False), got "
+        f"{young.is_prefill}"
+    )
     calls = []
     monkeypatch.setattr(
         s,
@@ -541,7 +755,10 @@ def test_part2_decodes_come_before_an_older_prefill(monkeypatch):
         "every decode is scheduled before the prefills are passed on, even when the prefill "
         f"is the older sequence: (prefills, decodes so far) at the call, got {calls}"
     )
-    assert planned(out) == [(0, 1, False)]
+    assert planned(out) == [(0, 1, False)], (
+        "with _schedule_prefill_chunks replaced by a stand-in that schedules nothing, the step "
+        f"holds the decode of 0 only: expected [(0, 1, False)], got {planned(out)}"
+    )
     s = chunked()
     seq = make_seq(s, 0, 20)
     out = s.schedule()  # admitted with a chunk of 16
@@ -565,7 +782,14 @@ def test_part2_sequences_in_their_prefill_are_passed_on_not_decoded(monkeypatch)
     step(s)  # sequence 0 is decoding
     late = make_seq(s, 1, 16)
     step(s)  # 0 decodes; 1 is admitted with a chunk of 15: one prompt token left
-    assert late.is_prefill and late.num_tokens - late.num_computed_tokens == 1
+    assert late.is_prefill, (
+        "admitted with a chunk of 15 of its 16 tokens, it is still in its prefill: expected "
+        f"is_prefill=True, got {late.is_prefill}"
+    )
+    assert late.num_tokens - late.num_computed_tokens == 1, (
+        "the chunk of 15 leaves one prompt token to compute: expected 16 tokens, 15 computed; "
+        f"got {late.num_tokens} tokens, {late.num_computed_tokens} computed"
+    )
     passed = []
     monkeypatch.setattr(
         s, "_schedule_prefill_chunks", lambda seqs, out, budget: passed.append(list(seqs))
@@ -587,8 +811,18 @@ def test_part2_a_step_decodes_every_sequence_exactly_once_and_charges_one_token_
         make_seq(s, i, 5)
     step(s)
     out = s.schedule()
-    assert planned(out) == [(0, 1, False), (1, 1, False), (2, 1, False)]
-    assert out.num_batched_tokens == 3 and out.kind == "decode" and out.num_prefills == 0
+    assert planned(out) == [(0, 1, False), (1, 1, False), (2, 1, False)], (
+        "every running sequence, oldest first, is scheduled exactly once as a decode of one "
+        f"token; got {planned(out)} as (id, tokens, prefill)"
+    )
+    assert out.num_batched_tokens == 3, (
+        f"a decode charges one token: 3 decodes make 3 tokens, got {out.num_batched_tokens}"
+    )
+    assert out.kind == "decode", f"a step of decodes only is a decode step, got {out.kind!r}"
+    assert out.num_prefills == 0, (
+        "a sequence whose prefill has ended is a decode, not a prefill: 0 prefills expected, "
+        f"got {out.num_prefills}"
+    )
 
 
 def test_part2_postprocess_with_a_token_count_mismatch_raises_and_changes_nothing():
@@ -597,7 +831,10 @@ def test_part2_postprocess_with_a_token_count_mismatch_raises_and_changes_nothin
     out = s.schedule()
     with pytest.raises(ValueError):
         s.postprocess(out.scheduled, [])
-    assert seq.num_tokens == 4 and seq.num_computed_tokens == 0
+    assert seq.num_tokens == 4 and seq.num_computed_tokens == 0, (
+        "a postprocess that raises ValueError changes nothing: expected 4 tokens, 0 computed; "
+        f"got {seq.num_tokens} tokens, {seq.num_computed_tokens} computed"
+    )
 
 
 def test_part2_a_sequence_aborted_mid_step_is_skipped_by_postprocess():
@@ -607,18 +844,44 @@ def test_part2_a_sequence_aborted_mid_step_is_skipped_by_postprocess():
     out = s.schedule()
     gone = s.abort(0)
     s.postprocess(out.scheduled, [TOKEN, TOKEN])
-    assert gone.num_tokens == 4 and gone.status is SequenceStatus.FINISHED_ABORTED
-    assert keep.num_tokens == 5 and ids(s.running) == [1]
+    assert gone.num_tokens == 4, (
+        "postprocess skips a sequence aborted since schedule: it takes no token; expected 4 "
+        f"tokens, got {gone.num_tokens}"
+    )
+    assert gone.status is SequenceStatus.FINISHED_ABORTED, (
+        f"an aborted sequence stays FINISHED_ABORTED through postprocess, got {gone.status.name}"
+    )
+    assert keep.num_tokens == 5, (
+        "the other sequence of the step gets its sampled token: expected 5 tokens, got "
+        f"{keep.num_tokens}"
+    )
+    assert ids(s.running) == [1], (
+        f"only the sequence that was not aborted is running: expected [1], got {ids(s.running)}"
+    )
 
 
 def test_part2_all_requests_finish_with_their_full_output():
     config = Config(block_size=4, num_gpu_blocks=256, max_model_len=64, max_num_seqs=4)
     requests = [Request(0.0, 3 + 5 * i % 17, 1 + 7 * i % 13) for i in range(12)]
     result = simulate(config, requests)
-    assert len(result.finished) == 12 and result.num_preemptions == 0
+    assert len(result.finished) == 12, (
+        f"all 12 requests must finish, {len(result.finished)} did: {sorted(ids(result.finished))}"
+    )
+    assert result.num_preemptions == 0, (
+        "a pool of 256 blocks holds every request at once: no preemption expected, got "
+        f"{result.num_preemptions}"
+    )
     by_id = {seq.seq_id: seq for seq in result.finished}
-    assert [by_id[i].num_completion_tokens for i in range(12)] == [r.output_len for r in requests]
-    assert max(step.num_running for step in result.steps) == 4
+    assert [by_id[i].num_completion_tokens for i in range(12)] == [
+        r.output_len for r in requests
+    ], (
+        "every request generates exactly its max_tokens: completion tokens by request id "
+        "(left) vs the requested output lengths (right)"
+    )
+    assert max(step.num_running for step in result.steps) == 4, (
+        "continuous batching fills the max_num_seqs=4 places, and never more: the fullest step "
+        f"runs 4, got {max(step.num_running for step in result.steps)}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -632,28 +895,60 @@ def full_pool_of_two(mode: str = "recompute", **overrides) -> tuple[Scheduler, S
     old, new = make_seq(s, 0, 7, max_tokens=8), make_seq(s, 1, 7, max_tokens=8)
     step(s)  # prefill both: 2 blocks each, now 8 tokens each
     step(s)  # decode token 8: fits; sampled token 9 needs a new block
-    assert s.block_manager.num_free_gpu_blocks == 0
+    assert s.block_manager.num_free_gpu_blocks == 0, (
+        "setup (parts 2.1, 2.2): two sequences of 8 tokens hold 2 blocks each of the pool of 4: "
+        f"0 free expected, got {s.block_manager.num_free_gpu_blocks}"
+    )
     return s, old, new
 
 
 def test_part3_the_newest_running_sequence_is_preempted_by_recompute():
     s, _, new = full_pool_of_two()
     out = s.schedule()
-    assert out.preempted == [new], "when blocks run out, the newest running sequence goes"
-    assert planned(out) == [(0, 1, False)], "the oldest goes on decoding"
-    assert new.status is SequenceStatus.WAITING and s.waiting[0] is new
-    assert new.block_table == [] and new.num_computed_tokens == 0
-    assert new.num_tokens == 9, "recompute keeps the generated tokens, only the K/V are lost"
-    assert s.num_preemptions == 1 and ids(s.running) == [0]
+    assert out.preempted == [new], (
+        "when blocks run out, the newest running sequence (1) goes: expected preempted [1], got "
+        f"{ids(out.preempted)}"
+    )
+    assert planned(out) == [(0, 1, False)], (
+        f"the oldest goes on decoding: expected [(0, 1, False)], got {planned(out)}"
+    )
+    assert new.status is SequenceStatus.WAITING, (
+        f"a sequence preempted by recompute goes back to WAITING, got {new.status.name}"
+    )
+    assert s.waiting[0] is new, (
+        "a sequence preempted by recompute goes to the front of waiting: expected 1 first, got "
+        f"waiting {ids(s.waiting)}"
+    )
+    assert new.block_table == [], (
+        f"recompute frees all the victim's blocks, got block table {new.block_table}"
+    )
+    assert new.num_computed_tokens == 0, (
+        "recompute drops the victim's K/V: num_computed_tokens back to 0, got "
+        f"{new.num_computed_tokens}"
+    )
+    assert new.num_tokens == 9, (
+        "recompute keeps the generated tokens, only the K/V are lost: expected 9 tokens, got "
+        f"{new.num_tokens}"
+    )
+    assert s.num_preemptions == 1, (
+        f"each preemption is counted in num_preemptions: 1 expected, got {s.num_preemptions}"
+    )
+    assert ids(s.running) == [0], (
+        f"the preempted sequence leaves running: expected [0], got {ids(s.running)}"
+    )
 
 
 def test_part3_a_preempted_sequence_waits_in_front_of_new_requests():
     s, _, new = full_pool_of_two()
     newcomer = make_seq(s, 7, 4)  # no block is free for it: it waits
     out = s.schedule()
-    assert out.preempted == [new]
+    assert out.preempted == [new], (
+        "0 needs a block and none is free: the newest running sequence (1) is preempted; got "
+        f"preempted {ids(out.preempted)}"
+    )
     assert list(s.waiting) == [new, newcomer], (
-        "a preempted sequence goes to the front of waiting: it arrived before the newcomer"
+        "a preempted sequence goes to the front of waiting: it arrived before the newcomer; "
+        f"expected [1, 7], got {ids(s.waiting)}"
     )
 
 
@@ -664,17 +959,26 @@ def test_part3_a_sequence_preempts_itself_when_it_is_the_newest():
     step(s)  # seq 0: 8 tokens -> 9 (needs block 3), new: 7 -> 8 (fits)
     out = s.schedule()
     assert out.preempted == [new], (
-        "sequence 0 needs a block: the newest running sequence (1) is preempted instead"
+        "sequence 0 needs a block: the newest running sequence (1) is preempted instead; got "
+        f"preempted {ids(out.preempted)}"
     )
-    assert ids(out.seqs) == [0]
+    assert ids(out.seqs) == [0], (
+        "a preempted sequence is not scheduled in that step: only 0 decodes; expected [0], got "
+        f"{ids(out.seqs)}"
+    )
     s.postprocess(out.scheduled, [TOKEN])
     s2 = make_scheduler(num_gpu_blocks=4, preemption_mode="recompute")
     make_seq(s2, 0, 7, max_tokens=6)
     b = make_seq(s2, 1, 8, max_tokens=6)
     step(s2)  # seq 0: 8 tokens (fits), b: 9 tokens (needs a block, none free)
     out = s2.schedule()
-    assert out.preempted == [b] and ids(out.seqs) == [0], (
-        "b is the newest: with no one newer to preempt, it preempts itself"
+    assert out.preempted == [b], (
+        "b is the newest: with no one newer to preempt, it preempts itself; expected preempted "
+        f"[1], got {ids(out.preempted)}"
+    )
+    assert ids(out.seqs) == [0], (
+        "a sequence that preempted itself is not scheduled: only 0 decodes; expected [0], got "
+        f"{ids(out.seqs)}"
     )
 
 
@@ -684,11 +988,22 @@ def test_part3_a_preempted_sequence_is_recomputed_and_finishes_correctly():
         if s.is_finished():
             break
         out = step(s)
-        assert not out.blocks_to_swap_out, "recompute mode never swaps"
-    assert s.is_finished()
+        assert not out.blocks_to_swap_out, (
+            f"recompute mode never swaps, got blocks_to_swap_out {out.blocks_to_swap_out}"
+        )
+    assert s.is_finished(), (
+        "both sequences finish within 200 steps (no starvation or livelock): got waiting "
+        f"{ids(s.waiting)}, running {ids(s.running)}, swapped {ids(s.swapped)}"
+    )
     for seq in (old, new):
-        assert seq.status is SequenceStatus.FINISHED_LENGTH_CAPPED
-        assert seq.num_completion_tokens == 8, f"sequence {seq.seq_id} lost tokens"
+        assert seq.status is SequenceStatus.FINISHED_LENGTH_CAPPED, (
+            f"sequence {seq.seq_id} runs to max_tokens=8: FINISHED_LENGTH_CAPPED expected, got "
+            f"{seq.status.name}"
+        )
+        assert seq.num_completion_tokens == 8, (
+            f"sequence {seq.seq_id} lost tokens: a preemption by recompute keeps the generated "
+            f"tokens; expected 8, got {seq.num_completion_tokens}"
+        )
 
 
 def test_part3_recompute_prefills_prompt_and_generated_tokens():
@@ -708,7 +1023,10 @@ def test_part3_recompute_prefills_prompt_and_generated_tokens():
 
 def test_part3_a_sequence_preempted_by_recompute_starts_a_new_prefill():
     s, _, new = full_pool_of_two()
-    assert not new.is_prefill
+    assert not new.is_prefill, (
+        "setup (part 2.2): a decoding sequence has ended its prefill: expected is_prefill=False, "
+        f"got {new.is_prefill}"
+    )
     s.schedule()
     assert new.is_prefill and new.num_computed_tokens == 0, (
         "after a preemption by recompute the sequence is in its prefill again (is_prefill True, "
@@ -721,7 +1039,10 @@ def test_part3_preemptions_are_counted_one_by_one():
     seqs = [make_seq(s, i, 8, max_tokens=8) for i in range(4)]  # 2 blocks each: the pool is full
     step(s)
     out = s.schedule()  # each needs a third block: 3 is preempted, then 2 preempts itself
-    assert out.preempted == [seqs[3], seqs[2]]
+    assert out.preempted == [seqs[3], seqs[2]], (
+        "0 needs a block: the newest (3) is preempted; 2 is then the newest left and preempts "
+        f"itself: expected preempted [3, 2], got {ids(out.preempted)}"
+    )
     assert s.num_preemptions == 2, (
         f"two sequences were preempted in this step: num_preemptions 2, got {s.num_preemptions}"
     )
@@ -741,18 +1062,41 @@ def test_part3_a_swap_without_room_falls_back_to_recompute(monkeypatch):
     s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=8)
     monkeypatch.setattr(s, "_preempt_by_swap", lambda seq, out: False)  # as if the CPU is full
     out = s.schedule()
-    assert out.preempted == [new] and new.status is SequenceStatus.WAITING, (
+    assert out.preempted == [new], (
+        "the victim is the newest running sequence (1), recorded in out.preempted even when "
+        f"its swap fails; got preempted {ids(out.preempted)}"
+    )
+    assert new.status is SequenceStatus.WAITING, (
         "when _preempt_by_swap says False, _preempt recomputes instead: the victim waits, "
         f"got {new.status.name}"
     )
-    assert new.block_table == [] and s.waiting[0] is new and s.num_preemptions == 1
+    assert new.block_table == [], (
+        f"the recompute frees the victim's blocks, got block table {new.block_table}"
+    )
+    assert s.waiting[0] is new, (
+        "the recomputed victim goes to the front of waiting: expected 1 first, got waiting "
+        f"{ids(s.waiting)}"
+    )
+    assert s.num_preemptions == 1, (
+        "a fallback to recompute is one preemption, counted once: expected 1, got "
+        f"{s.num_preemptions}"
+    )
 
 
 def test_part3_auto_mode_recomputes_single_sequences():
     s, _, new = full_pool_of_two(mode="auto", num_cpu_blocks=16)
     out = s.schedule()
-    assert out.preempted == [new] and not out.blocks_to_swap_out
-    assert new.status is SequenceStatus.WAITING
+    assert out.preempted == [new], (
+        "0 needs a block and none is free: the newest running sequence (1) is preempted; got "
+        f"preempted {ids(out.preempted)}"
+    )
+    assert not out.blocks_to_swap_out, (
+        "auto mode recomputes single sequences: nothing is swapped out, got blocks_to_swap_out "
+        f"{out.blocks_to_swap_out}"
+    )
+    assert new.status is SequenceStatus.WAITING, (
+        f"auto mode recomputes: the victim goes back to WAITING, got {new.status.name}"
+    )
 
 
 def test_part3_everything_finishes_under_memory_pressure():
@@ -768,7 +1112,12 @@ def test_part3_everything_finishes_under_memory_pressure():
     result = simulate(config, requests)
     assert result.num_preemptions > 0, "this pool is too small for all to run: expect preemption"
     by_id = {seq.seq_id: seq for seq in result.finished}
-    assert [by_id[i].num_completion_tokens for i in range(10)] == [r.output_len for r in requests]
+    assert [by_id[i].num_completion_tokens for i in range(10)] == [
+        r.output_len for r in requests
+    ], (
+        "every request finishes with its whole output, preempted or not (recompute keeps the "
+        "generated tokens): completion tokens by request id (left) vs output lengths (right)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -780,13 +1129,27 @@ def test_part4_swap_mode_moves_the_newest_sequence_to_the_cpu():
     s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=8)
     gpu_blocks = list(new.block_table)
     out = s.schedule()
-    assert out.preempted == [new]
-    assert sorted(out.blocks_to_swap_out) == sorted(gpu_blocks), (
-        "blocks_to_swap_out maps each of its GPU blocks to a CPU block"
+    assert out.preempted == [new], (
+        "0 needs a block and none is free: the newest running sequence (1) is preempted; got "
+        f"preempted {ids(out.preempted)}"
     )
-    assert new.status is SequenceStatus.SWAPPED and ids(s.swapped) == [1]
-    assert s.block_manager.device_of(new) is Device.CPU
-    assert new.num_computed_tokens == 8, "a swapped sequence keeps its computed K/V"
+    assert sorted(out.blocks_to_swap_out) == sorted(gpu_blocks), (
+        f"blocks_to_swap_out maps each of its GPU blocks {sorted(gpu_blocks)} to a CPU block, "
+        f"got {out.blocks_to_swap_out}"
+    )
+    assert new.status is SequenceStatus.SWAPPED, (
+        f"a sequence preempted by swap becomes SWAPPED, got {new.status.name}"
+    )
+    assert ids(s.swapped) == [1], (
+        f"a sequence preempted by swap joins swapped: expected [1], got {ids(s.swapped)}"
+    )
+    assert s.block_manager.device_of(new) is Device.CPU, (
+        f"a swapped sequence's blocks are in the CPU pool, got {s.block_manager.device_of(new)}"
+    )
+    assert new.num_computed_tokens == 8, (
+        "a swapped sequence keeps its computed K/V: 8 computed expected, got "
+        f"{new.num_computed_tokens}"
+    )
 
 
 def test_part4_swapped_sequences_come_back_before_new_prompts():
@@ -796,14 +1159,25 @@ def test_part4_swapped_sequences_come_back_before_new_prompts():
     s.abort(0)  # the old one leaves: room for everyone
     newcomer = make_seq(s, 5, 4)
     out = s.schedule()
-    assert new.status is SequenceStatus.RUNNING and ids(out.seqs) == [1], (
-        "while a sequence is swapped out, no new prompt is admitted; it comes back first"
+    assert new.status is SequenceStatus.RUNNING, (
+        "with the old sequence gone there is room: the swapped sequence comes back first "
+        f"(RUNNING), got {new.status.name}"
+    )
+    assert ids(out.seqs) == [1], (
+        "while a sequence is swapped out, no new prompt is admitted, and a swapped-in sequence "
+        f"decodes in the step that brings it back: expected [1], got {ids(out.seqs)}"
     )
     assert sorted(out.blocks_to_swap_in.values()) == sorted(new.block_table[:2]), (
-        "blocks_to_swap_in maps its 2 CPU blocks to the GPU blocks its table now starts with"
+        "blocks_to_swap_in maps its 2 CPU blocks to the GPU blocks its table now starts with: "
+        f"got {out.blocks_to_swap_in}, block table {new.block_table}"
     )
-    assert newcomer.status is SequenceStatus.WAITING
-    assert not out.blocks_to_swap_out, "a step never swaps in and out at once"
+    assert newcomer.status is SequenceStatus.WAITING, (
+        "while a sequence is swapped out, no new prompt is admitted: the newcomer stays "
+        f"WAITING, got {newcomer.status.name}"
+    )
+    assert not out.blocks_to_swap_out, (
+        f"a step never swaps in and out at once, got blocks_to_swap_out {out.blocks_to_swap_out}"
+    )
 
 
 def test_part4_swap_in_is_first_come_first_served():
@@ -813,16 +1187,28 @@ def test_part4_swap_in_is_first_come_first_served():
     step(s)
     step(s)
     out = s.schedule()  # each needs a third block: 3 goes, then 2 (the newest left) goes
-    assert out.preempted == [seqs[3], seqs[2]] and ids(s.swapped) == [2, 3], (
-        "victims are the newest running sequences; swapped stays in arrival order"
+    assert out.preempted == [seqs[3], seqs[2]], (
+        "victims are the newest running sequences: 3, then 2 (the newest left); expected "
+        f"preempted [3, 2], got {ids(out.preempted)}"
+    )
+    assert ids(s.swapped) == [2, 3], (
+        "swapped stays in arrival order, not in the order of preemption: expected [2, 3], got "
+        f"{ids(s.swapped)}"
     )
     s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))
     assert s.block_manager.num_free_gpu_blocks == 5, (
-        "room for one of the two to come back with a block for its newest token (2 + 1)"
+        "room for one of the two to come back with a block for its newest token (2 + 1): "
+        f"sequence 0 finished and freed its blocks, 5 free expected, got "
+        f"{s.block_manager.num_free_gpu_blocks}"
     )
     out = s.schedule()
-    assert seqs[2].status is SequenceStatus.RUNNING and ids(s.swapped) == [3], (
-        "the oldest swapped sequence comes back first; the other waits (LATER)"
+    assert seqs[2].status is SequenceStatus.RUNNING, (
+        "the oldest swapped sequence (2) comes back first: expected RUNNING, got "
+        f"{seqs[2].status.name}"
+    )
+    assert ids(s.swapped) == [3], (
+        "the other swapped sequence waits (LATER) at the front of swapped: expected [3], got "
+        f"{ids(s.swapped)}"
     )
     assert planned(out) == [(1, 1, False), (2, 1, False)], (
         f"the swapped-in sequence decodes in the step that brings it back, got {planned(out)}"
@@ -838,18 +1224,28 @@ def test_part4_a_never_fitting_swapped_sequence_does_not_block_the_next_one():
     old, new = make_seq(s, 0, 12, max_tokens=8, ignore_eos=True), make_seq(s, 1, 4)
     step(s)  # old: 3 blocks, 13 tokens; new: 1 block, 5 tokens
     out = s.schedule()  # old needs a 4th block: new is swapped out
-    assert out.preempted == [new]
+    assert out.preempted == [new], (
+        "old needs a 4th block and none is free: the newest running sequence (1) is swapped "
+        f"out; got preempted {ids(out.preempted)}"
+    )
     s.postprocess(out.scheduled, [TOKEN])
     for _ in range(8):  # old decodes until its 17th token needs a 5th block: it swaps itself out
         if old in step(s).preempted:
             break
-    assert ids(s.swapped) == [0, 1], f"swapped {ids(s.swapped)}"
+    assert ids(s.swapped) == [0, 1], (
+        "old outgrows the pool and preempts itself by swap; swapped is in arrival order: "
+        f"expected [0, 1], got {ids(s.swapped)}"
+    )
     out = s.schedule()
     assert [i.seq for i in out.ignored] == [old], (
-        "the oldest swapped sequence needs 4 blocks + 1 for its newest token > 4: NEVER, ignored"
+        "the oldest swapped sequence needs 4 blocks + 1 for its newest token > 4: NEVER, "
+        f"ignored; expected out.ignored [0], got {ids(i.seq for i in out.ignored)}"
     )
-    assert planned(out) == [(1, 1, False)] and new.status is SequenceStatus.RUNNING, (
+    assert planned(out) == [(1, 1, False)], (
         f"the next swapped sequence comes back in the same step, got {planned(out)}"
+    )
+    assert new.status is SequenceStatus.RUNNING, (
+        f"the swapped-in sequence is RUNNING again, got {new.status.name}"
     )
 
 
@@ -862,14 +1258,27 @@ def test_part4_a_prefill_swapped_out_midway_comes_back_as_a_prefill_chunk():
     late = make_seq(s, 1, 12)
     step(s)  # first decodes; late is admitted (3 blocks) with a chunk of 7
     out = s.schedule()  # first needs a third block: late, mid-prefill, is swapped out
-    assert out.preempted == [late] and late.status is SequenceStatus.SWAPPED
+    assert out.preempted == [late], (
+        "the first sequence needs a third block: the newest running sequence (1) is preempted; "
+        f"got preempted {ids(out.preempted)}"
+    )
+    assert late.status is SequenceStatus.SWAPPED, (
+        "in swap mode a sequence is swapped out even in the middle of its prefill: expected "
+        f"SWAPPED, got {late.status.name}"
+    )
     s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))  # first finishes
     out = s.schedule()
     assert planned(out) == [(1, 5, True)], (
         "a sequence swapped out in its prefill comes back as a prefill of its next chunk "
         f"(the 5 tokens left), in the same step; got {planned(out)}"
     )
-    assert out.kind == "prefill" and late.num_computed_tokens <= late.num_tokens
+    assert out.kind == "prefill", (
+        f"a swapped-in prefill chunk is a prefill: a prefill step, got kind {out.kind!r}"
+    )
+    assert late.num_computed_tokens <= late.num_tokens, (
+        "a sequence never has more computed tokens than tokens: got "
+        f"{late.num_computed_tokens} computed of {late.num_tokens}"
+    )
 
 
 def test_part4_a_swapped_in_prefill_chunk_is_cut_to_the_budget():
@@ -881,7 +1290,10 @@ def test_part4_a_swapped_in_prefill_chunk_is_cut_to_the_budget():
     late = make_seq(s, 1, 16)
     step(s)  # 0 decodes; late is admitted (4 blocks) with a chunk of 7
     out = s.schedule()  # 0 needs a third block: late is swapped out in its prefill
-    assert out.preempted == [late]
+    assert out.preempted == [late], (
+        "0 needs a third block: the newest running sequence (1), in its prefill, is swapped "
+        f"out; got preempted {ids(out.preempted)}"
+    )
     s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))  # 0 finishes
     newcomer = make_seq(s, 2, 4)
     out = s.schedule()
@@ -892,18 +1304,31 @@ def test_part4_a_swapped_in_prefill_chunk_is_cut_to_the_budget():
         "9 prompt tokens are left and the budget is 8: the swapped-in prefill gets a chunk of "
         f"8, got {planned(out)}"
     )
-    assert out.num_batched_tokens == 8
+    assert out.num_batched_tokens == 8, (
+        f"the step fills the token budget of 8 and never exceeds it, got {out.num_batched_tokens}"
+    )
 
 
 def test_part4_aborting_a_swapped_sequence_frees_its_cpu_blocks():
     s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=8)
     step(s)
-    assert new.status is SequenceStatus.SWAPPED
-    assert s.abort(1) is new and new.status is SequenceStatus.FINISHED_ABORTED
-    assert new.block_table == [] and s.block_manager.num_free_cpu_blocks == 8, (
-        "an aborted swapped sequence's CPU blocks are freed at once"
+    assert new.status is SequenceStatus.SWAPPED, (
+        "0 needs a block and none is free: in swap mode the newest (1) is swapped out; expected "
+        f"SWAPPED, got {new.status.name}"
     )
-    assert s.swapped == [] and s.num_unfinished == 1
+    assert s.abort(1) is new, "abort(seq_id) returns the sequence it finished"
+    assert new.status is SequenceStatus.FINISHED_ABORTED, (
+        f"abort finishes a swapped sequence as FINISHED_ABORTED, got {new.status.name}"
+    )
+    assert new.block_table == [] and s.block_manager.num_free_cpu_blocks == 8, (
+        "an aborted swapped sequence's CPU blocks are freed at once: got block table "
+        f"{new.block_table}, {s.block_manager.num_free_cpu_blocks} of 8 CPU blocks free"
+    )
+    assert s.swapped == [], f"abort takes it out of swapped, got swapped {ids(s.swapped)}"
+    assert s.num_unfinished == 1, (
+        f"only sequence 0 is left unfinished, got {s.num_unfinished} unfinished (waiting "
+        f"{ids(s.waiting)}, running {ids(s.running)})"
+    )
 
 
 def test_part4_no_swap_in_when_the_token_budget_is_spent(monkeypatch):
@@ -925,17 +1350,28 @@ def test_part4_no_swap_in_when_the_token_budget_is_spent(monkeypatch):
     monkeypatch.setattr(s, "_schedule_prefill_chunks", spend_the_budget)
     out = s.schedule()
     assert back.status is SequenceStatus.SWAPPED and not out.blocks_to_swap_in, (
-        "the prefill chunk spent the 16-token budget: a decode swapped in now would make 17"
+        "the prefill chunk spent the 16-token budget: a decode swapped in now would make 17; "
+        f"got {back.status.name}, blocks_to_swap_in {out.blocks_to_swap_in}"
     )
-    assert out.num_batched_tokens == 16
+    assert out.num_batched_tokens == 16, (
+        f"the step never exceeds the token budget of 16, got {out.num_batched_tokens} tokens"
+    )
 
 
 def test_part4_falls_back_to_recompute_when_the_cpu_pool_is_full():
     s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=1)
     out = s.schedule()
-    assert out.preempted == [new] and not out.blocks_to_swap_out
+    assert out.preempted == [new], (
+        "0 needs a block and none is free: the newest running sequence (1) is preempted; got "
+        f"preempted {ids(out.preempted)}"
+    )
+    assert not out.blocks_to_swap_out, (
+        "the CPU pool has 1 block and the victim holds 2: nothing is swapped out, got "
+        f"blocks_to_swap_out {out.blocks_to_swap_out}"
+    )
     assert new.status is SequenceStatus.WAITING and new.block_table == [], (
-        "no CPU room for 2 blocks: recompute instead of failing"
+        "no CPU room for 2 blocks: recompute instead of failing (WAITING, no blocks); got "
+        f"{new.status.name} with block table {new.block_table}"
     )
 
 
@@ -954,7 +1390,12 @@ def test_part4_everything_finishes_with_swapping():
     result = simulate(config, requests, on_step=lambda _, out: swaps.append(out.blocks_to_swap_out))
     assert any(swaps), "this pool is too small for all to run: expect swapping"
     by_id = {seq.seq_id: seq for seq in result.finished}
-    assert [by_id[i].num_completion_tokens for i in range(10)] == [r.output_len for r in requests]
+    assert [by_id[i].num_completion_tokens for i in range(10)] == [
+        r.output_len for r in requests
+    ], (
+        "every request finishes with its whole output, swapped or not (a swapped sequence keeps "
+        "its tokens): completion tokens by request id (left) vs output lengths (right)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -969,8 +1410,12 @@ def test_part5_a_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
     assert chunks == [[(0, 16, True)], [(0, 16, True)], [(0, 8, True)]], (
         f"a 40-token prompt under a 16-token budget runs as chunks 16, 16, 8; got {chunks}"
     )
-    assert seq.num_completion_tokens == 1, "only the last chunk yields a token"
-    assert seq.num_computed_tokens == 40
+    assert seq.num_completion_tokens == 1, (
+        f"only the last chunk yields a token: 1 expected, got {seq.num_completion_tokens}"
+    )
+    assert seq.num_computed_tokens == 40, (
+        f"the three chunks compute all 40 prompt tokens, got {seq.num_computed_tokens}"
+    )
 
 
 def test_part5_decodes_go_first_and_are_not_stalled_by_a_long_prompt():
@@ -982,12 +1427,20 @@ def test_part5_decodes_go_first_and_are_not_stalled_by_a_long_prompt():
     assert planned(out) == [(0, 1, False), (1, 15, True)], (
         "decodes first, then the prompt's chunk in what is left of the budget (16 - 1)"
     )
-    assert out.kind == "mixed"
+    assert out.kind == "mixed", (
+        f"decodes and a prefill chunk in one step make a mixed step, got kind {out.kind!r}"
+    )
     s.postprocess(out.scheduled, [TOKEN, TOKEN])
     for _ in range(3):
         out = step(s)
-        assert (0, 1, False) in planned(out), "the running sequence decodes every step"
-    assert short.num_completion_tokens == 5
+        assert (0, 1, False) in planned(out), (
+            "the running sequence decodes every step, while the long prompt is prefilled in "
+            f"chunks: expected (0, 1, False) among {planned(out)}"
+        )
+    assert short.num_completion_tokens == 5, (
+        "the running sequence gains a token every step of the long prefill: 1 + 4 = 5 "
+        f"expected, got {short.num_completion_tokens}"
+    )
 
 
 def test_part5_a_last_chunk_of_one_token_is_still_a_prefill():
@@ -1001,9 +1454,21 @@ def test_part5_a_last_chunk_of_one_token_is_still_a_prefill():
         "the last prompt token of a chunked prefill is a prefill chunk of 1, not a decode; "
         f"got {planned(out)}"
     )
-    assert out.num_prefills == 1 and out.kind == "mixed"
+    assert out.num_prefills == 1, (
+        f"the 1-token last chunk counts as a prefill: 1 prefill expected, got {out.num_prefills}"
+    )
+    assert out.kind == "mixed", (
+        f"a decode and a prefill chunk in one step make a mixed step, got kind {out.kind!r}"
+    )
     s.postprocess(out.scheduled, [TOKEN, TOKEN])
-    assert late.num_completion_tokens == 1 and not late.is_prefill
+    assert late.num_completion_tokens == 1, (
+        "the last chunk yields the first token: 1 completion token expected, got "
+        f"{late.num_completion_tokens}"
+    )
+    assert not late.is_prefill, (
+        "computing the last prompt token ends the prefill: expected is_prefill=False, got "
+        f"{late.is_prefill}"
+    )
 
 
 def test_part5_a_recomputed_sequence_is_prefilled_in_chunks_to_its_last_token():
@@ -1013,7 +1478,14 @@ def test_part5_a_recomputed_sequence_is_prefilled_in_chunks_to_its_last_token():
     for _ in range(10):  # both decode until late (the newest) is preempted, holding 5 tokens
         if late in step(s).preempted:
             break
-    assert late.status is SequenceStatus.WAITING and late.num_tokens == 5
+    assert late.status is SequenceStatus.WAITING, (
+        "when blocks run out the newest running sequence (1) is preempted by recompute and "
+        f"waits: expected WAITING, got {late.status.name}"
+    )
+    assert late.num_tokens == 5, (
+        "a preemption by recompute keeps the tokens: 1 prompt + 4 generated = 5 expected, got "
+        f"{late.num_tokens}"
+    )
     chunks = []
     for _ in range(10):
         chunks += [(n, prefill) for seq_id, n, prefill in planned(step(s)) if seq_id == 1]
@@ -1040,8 +1512,13 @@ def test_part5_prefill_chunks_go_oldest_first_and_stop_when_the_budget_is_spent(
         "oldest first, each the chunk that fits what is left of the budget (10, then 6), and "
         f"no chunk of 0 tokens for the third; got {planned(out)}"
     )
-    assert budget.num_batched_tokens == 16 and budget.num_seqs == 3, (
-        "chunks spend tokens, not sequence places (the sequences already run)"
+    assert budget.num_batched_tokens == 16, (
+        "each chunk charges its tokens to the budget: 10 + 6 = 16 expected, got "
+        f"{budget.num_batched_tokens}"
+    )
+    assert budget.num_seqs == 3, (
+        "chunks spend tokens, not sequence places (the sequences already run): num_seqs stays "
+        f"3, got {budget.num_seqs}"
     )
 
 
@@ -1054,7 +1531,9 @@ def test_part5_the_budget_holds_every_step():
             break
         out = step(s)
         assert out.num_batched_tokens <= 16, f"step computed {out.num_batched_tokens} > 16 tokens"
-        assert len(s.running) <= 4
+        assert len(s.running) <= 4, (
+            f"at most max_num_seqs=4 sequences run, got running {ids(s.running)}"
+        )
 
 
 def test_part5_chunked_and_unchunked_runs_produce_the_same_outputs():
@@ -1063,9 +1542,15 @@ def test_part5_chunked_and_unchunked_runs_produce_the_same_outputs():
     plain = simulate(Config(**base), requests)
     cut = simulate(Config(**base, enable_chunked_prefill=True, max_num_batched_tokens=8), requests)
     outputs = {s.seq_id: s.token_ids for s in plain.finished}
-    assert {s.seq_id: s.token_ids for s in cut.finished} == outputs
+    assert {s.seq_id: s.token_ids for s in cut.finished} == outputs, (
+        "chunking changes when the tokens are computed, not what is generated: every request's "
+        "tokens with chunked prefill (left) must equal those without (right)"
+    )
     assert any(step.kind == "mixed" for step in cut.steps), "expected mixed steps"
-    assert max(step.num_batched_tokens for step in cut.steps) <= 8
+    assert max(step.num_batched_tokens for step in cut.steps) <= 8, (
+        "no step computes more than max_num_batched_tokens=8, got a step of "
+        f"{max(step.num_batched_tokens for step in cut.steps)}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1204,10 +1689,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def check_step(self, out):
         config = self.s.config
-        assert out.num_batched_tokens <= config.token_budget, "token budget exceeded"
-        assert len(out.scheduled) <= config.max_num_seqs, "max_num_seqs exceeded"
-        assert len(self.s.running) <= config.max_num_seqs
-        assert not (out.blocks_to_swap_in and out.blocks_to_swap_out), "swap in and out at once"
+        assert out.num_batched_tokens <= config.token_budget, (
+            f"token budget exceeded: the step computed {out.num_batched_tokens} tokens, the "
+            f"budget is {config.token_budget}; scheduled {planned(out)}"
+        )
+        assert len(out.scheduled) <= config.max_num_seqs, (
+            f"max_num_seqs exceeded: the step scheduled {ids(out.seqs)}, at most "
+            f"{config.max_num_seqs} may run"
+        )
+        assert len(self.s.running) <= config.max_num_seqs, (
+            f"max_num_seqs exceeded: running holds {ids(self.s.running)}, at most "
+            f"{config.max_num_seqs} may run"
+        )
+        assert not (out.blocks_to_swap_in and out.blocks_to_swap_out), (
+            "a step never swaps in and out at once: got blocks_to_swap_in "
+            f"{out.blocks_to_swap_in} and blocks_to_swap_out {out.blocks_to_swap_out}"
+        )
         for ignored in out.ignored:
             assert ignored.seq.num_tokens > self.capacity, (
                 f"sequence {ignored.seq.seq_id} fits alone but was ignored: {ignored.reason}"
@@ -1233,8 +1730,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert places == [seq.status], (
                     f"sequence {seq.seq_id} is {seq.status.name} but queued in {places}"
                 )
-                assert self.s.block_manager.device_of(seq) is queues[seq.status][1]
-        assert self.s.num_unfinished == sum(not seq.is_finished for seq in self.seqs)
+                assert self.s.block_manager.device_of(seq) is queues[seq.status][1], (
+                    f"sequence {seq.seq_id} is {seq.status.name}: its blocks belong on "
+                    f"{queues[seq.status][1]} (None: it holds none), got "
+                    f"{self.s.block_manager.device_of(seq)}"
+                )
+        assert self.s.num_unfinished == sum(not seq.is_finished for seq in self.seqs), (
+            "every unfinished sequence is in exactly one queue: expected "
+            f"{sum(not seq.is_finished for seq in self.seqs)} queued, got waiting "
+            f"{ids(self.s.waiting)}, running {ids(self.s.running)}, swapped {ids(self.s.swapped)}"
+        )
         arrivals = [(seq.arrival_time, seq.seq_id) for seq in self.s.running]
         assert arrivals == sorted(arrivals), f"running is not in arrival order: {arrivals}"
         arrivals = [(seq.arrival_time, seq.seq_id) for seq in self.s.swapped]
