@@ -392,9 +392,20 @@ def test_part2_reuse_of_a_free_block_without_content_is_rejected():
     pool = BlockAllocator(Device.GPU, 2)
     with pytest.raises(ValueError):
         pool.reuse(0)
-    with pytest.raises(ValueError):
-        pool.reuse(5)
+    for outside in (5, 2, -1):
+        with pytest.raises(ValueError):
+            pool.reuse(outside)
     assert pool.num_free_blocks == 2
+
+
+def test_part2_reuse_of_a_negative_id_is_rejected_even_when_the_last_block_is_in_use():
+    pool = BlockAllocator(Device.GPU, 2)
+    blocks = [pool.allocate(), pool.allocate()]
+    with pytest.raises(ValueError):
+        pool.reuse(-1)  # outside the pool, not Python's "last block"
+    assert [block.ref_count for block in blocks] == [1, 1], (
+        f"a rejected reuse adds no holder: ref counts {[block.ref_count for block in blocks]}"
+    )
 
 
 @given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "free", "share"]), st.integers(0, 5))))
@@ -692,6 +703,19 @@ def test_part3_slot_mapping_rejects_a_token_that_has_no_slot_yet():
     assert len(bm.get_slot_mapping(seq, 0, 9)) == 9
 
 
+def test_part3_free_returns_the_blocks_last_first():
+    bm = BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0)
+    seq = make_seq(1, 12, 4)
+    bm.allocate(seq)
+    table = list(seq.block_table)
+    bm.free(seq)
+    again = [bm.gpu_allocator.allocate().block_id for _ in range(3)]
+    assert again == table[::-1], (
+        f"free returns a table's blocks last first, so the free list hands them out again in "
+        f"that order: expected {table[::-1]}, got {again}"
+    )
+
+
 def test_part3_free_returns_every_block_and_empties_the_table():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
     a, b = make_seq(1, 9, 4), make_seq(2, 4, 4)
@@ -860,6 +884,33 @@ def test_part4_swapping_part_of_a_sharing_group_is_rejected():
         bm.swap_out([parent])  # the child still holds the blocks on the GPU
     assert pool_counts(bm) == counts and parent.block_table == table
     assert bm.device_of(parent) is Device.GPU
+
+
+def test_part4_a_sharer_left_out_is_found_before_any_block_moves():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    alone, parent, child = make_seq(1, 8, 4), make_seq(2, 4, 4), make_seq(3, 4, 4)
+    bm.allocate(alone)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    counts, tables = pool_counts(bm), (list(alone.block_table), list(parent.block_table))
+    with pytest.raises(ValueError):
+        bm.swap_out([alone, parent])  # alone's blocks come first; parent's is shared with child
+    assert pool_counts(bm) == counts, (
+        "the group is checked for sharers outside it before anything moves: no CPU block taken, "
+        f"counts {counts} before, {pool_counts(bm)} after"
+    )
+    assert (alone.block_table, parent.block_table) == tables
+
+
+def test_part4_a_group_listing_a_sequence_twice_is_refused_by_every_swap_call():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 5, 4)
+    bm.allocate(seq)
+    with pytest.raises(ValueError):
+        bm.can_swap_out([seq, seq])
+    bm.swap_out([seq])
+    with pytest.raises(ValueError):
+        bm.can_swap_in([seq, seq])
 
 
 def test_part4_swap_out_without_cpu_room_is_all_or_nothing():

@@ -2,10 +2,10 @@
 
 The edition is this repository's tracked files, less the instructor-only paths of
 ``parts.toml``, with every solution region stubbed, the student README
-(``assignment/student-README.md``, where there is one) as its ``README.md``, ``edition = "student"`` in its
-``parts.toml``, and the auto-grading workflows of ``assignment/workflows/`` in
-``.github/workflows/``, committed as the single commit of a new git repository: no reference
-code in its files, nor in its history.
+(``assignment/student-README.md``, where there is one) as its ``README.md``,
+``edition = "student"`` in its ``parts.toml``, and the auto-grading workflows of
+``assignment/workflows/`` in ``.github/workflows/``, committed as the single commit of a new
+git repository: no reference code in its files, nor in its history.
 """
 
 import shutil

@@ -273,7 +273,11 @@ class BlockManager:
         ### END SOLUTION
 
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        """Whether the group's GPU blocks fit in the free CPU blocks."""
+        """Whether the group's GPU blocks fit in the free CPU blocks.
+
+        Raises ``ValueError`` unless the group is non-empty, lists no sequence twice and is on
+        the GPU (``_require_group_on``; so do ``swap_out``, ``can_swap_in`` and ``swap_in``).
+        """
         ### BEGIN SOLUTION part1.4
         self._require_group_on(seqs, Device.GPU)
         return self.swapper.can_swap_out(seqs)
