@@ -149,7 +149,9 @@ def test_a_mutant_caught_only_by_another_parts_tests_is_reported(tmp_path):
     )
     failed = failed_checks(root)
     assert list(failed) == [MUTANTS_CHECK]
-    assert "caught only by the tests of part 1.2" in failed[MUTANTS_CHECK]
+    assert (
+        "mutant 0 of part 1.1 (wrong at 7): no test of part 1.1 fails" in failed[MUTANTS_CHECK]
+    ), "a mutant of part 1.1 that only part 1.2's tests catch is not caught by its own part"
 
 
 def test_a_mutant_outside_its_parts_region_is_reported(tmp_path):

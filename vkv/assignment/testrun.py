@@ -34,8 +34,12 @@ class TestResult:
         return f"{self.file}::{self.name}"
 
 
-def run_tests(tree: Path, files: list[str], timeout: float = 600.0) -> list[TestResult]:
+def run_tests(
+    tree: Path, files: list[str], timeout: float = 600.0, options: tuple[str, ...] = ()
+) -> list[TestResult]:
     """Run pytest on ``files`` of ``tree``, importing ``vkv`` from ``tree``; one result per test.
+
+    ``files`` may also be node ids; ``options`` go to pytest as they are (e.g. ``-x``).
 
     Raises ``TestRunError`` when pytest produced no report (it crashed or ran past ``timeout``
     seconds; the whole process group is killed then).
@@ -52,6 +56,7 @@ def run_tests(tree: Path, files: list[str], timeout: float = 600.0) -> list[Test
             f"--junitxml={report}",
             "-o",
             "junit_family=xunit2",
+            *options,
             *files,
         ]
         env = dict(
