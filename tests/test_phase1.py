@@ -60,18 +60,33 @@ def test_part1_new_sequence_holds_a_copy_of_the_prompt_and_waits():
     params = SamplingParams(max_tokens=3)
     seq = Sequence(7, prompt, block_size=4, sampling_params=params, arrival_time=2.5)
     prompt.append(8)
-    assert seq.seq_id == 7
+    assert seq.seq_id == 7, (
+        f"seq_id is the constructor's first argument: expected 7, got {seq.seq_id!r}"
+    )
     assert seq.status is SequenceStatus.WAITING, f"a new sequence is WAITING, got {seq.status}"
     assert seq.token_ids == [5, 6, 7], (
         f"token_ids must be a copy of the prompt, unaffected by later changes to the caller's "
         f"list; got {seq.token_ids}"
     )
-    assert (seq.num_prompt_tokens, seq.num_tokens, seq.num_completion_tokens) == (3, 3, 0)
-    assert seq.block_table == [], "a new sequence holds no blocks: block_table must be []"
-    assert seq.block_size == 4
-    assert seq.sampling_params is params
-    assert seq.arrival_time == 2.5
-    assert len(seq) == 3
+    assert (seq.num_prompt_tokens, seq.num_tokens, seq.num_completion_tokens) == (3, 3, 0), (
+        "a new sequence's tokens are its prompt: (num_prompt_tokens, num_tokens, "
+        "num_completion_tokens) expected (3, 3, 0), got "
+        f"{(seq.num_prompt_tokens, seq.num_tokens, seq.num_completion_tokens)}"
+    )
+    assert seq.block_table == [], (
+        f"a new sequence holds no blocks: block_table must be [], got {seq.block_table}"
+    )
+    assert seq.block_size == 4, (
+        f"block_size is the constructor argument: expected 4, got {seq.block_size!r}"
+    )
+    assert seq.sampling_params is params, (
+        f"the sequence keeps the sampling_params it was given (the same object), got "
+        f"{seq.sampling_params!r}"
+    )
+    assert seq.arrival_time == 2.5, (
+        f"arrival_time is the constructor argument: expected 2.5, got {seq.arrival_time!r}"
+    )
+    assert len(seq) == 3, f"len(seq) is num_tokens: expected 3, got {len(seq)}"
 
 
 def test_part1_default_sampling_params():
@@ -83,13 +98,32 @@ def test_part1_append_token_grows_the_completion_only():
     seq = Sequence(1, [10, 11], block_size=2)
     for token in (12, 13, 14):
         seq.append_token(token)
-    assert seq.token_ids == [10, 11, 12, 13, 14]
-    assert seq.num_tokens == 5
-    assert seq.num_prompt_tokens == 2, "appending generated tokens must not change the prompt"
-    assert seq.num_completion_tokens == 3
-    assert seq.prompt_token_ids == [10, 11]
-    assert seq.completion_token_ids == [12, 13, 14]
-    assert seq.last_token == 14
+    assert seq.token_ids == [10, 11, 12, 13, 14], (
+        "tokens are only ever appended: token_ids is the prompt followed by the completion, "
+        f"expected [10, 11, 12, 13, 14], got {seq.token_ids}"
+    )
+    assert seq.num_tokens == 5, (
+        "num_tokens == num_prompt_tokens + num_completion_tokens: expected 2 + 3 = 5, got "
+        f"{seq.num_tokens}"
+    )
+    assert seq.num_prompt_tokens == 2, (
+        f"appending generated tokens must not change the prompt: num_prompt_tokens expected 2, "
+        f"got {seq.num_prompt_tokens}"
+    )
+    assert seq.num_completion_tokens == 3, (
+        f"each appended token is a completion token: expected 3, got {seq.num_completion_tokens}"
+    )
+    assert seq.prompt_token_ids == [10, 11], (
+        f"prompt_token_ids are the prompt's tokens only: expected [10, 11], got "
+        f"{seq.prompt_token_ids}"
+    )
+    assert seq.completion_token_ids == [12, 13, 14], (
+        f"completion_token_ids are the tokens generated after the prompt: expected [12, 13, 14], "
+        f"got {seq.completion_token_ids}"
+    )
+    assert seq.last_token == 14, (
+        f"last_token is the most recent token id: expected 14, got {seq.last_token}"
+    )
 
 
 def test_part1_prompt_and_completion_ids_are_copies():
@@ -119,19 +153,34 @@ def test_part1_num_blocks_and_last_block_num_tokens(block_size):
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_part1_prompt_of_exactly_k_blocks_fills_its_last_block(k):
     seq = make_seq(0, 4 * k, block_size=4)
-    assert seq.num_blocks == k, f"a prompt of exactly {k} blocks spans {k} blocks, not more"
-    assert seq.last_block_num_tokens == 4, "the last block of an exact multiple is full"
+    assert seq.num_blocks == k, (
+        f"a prompt of exactly {k} blocks spans {k} blocks, not more: got {seq.num_blocks}"
+    )
+    assert seq.last_block_num_tokens == 4, (
+        "the last block of an exact multiple is full: last_block_num_tokens expected 4, got "
+        f"{seq.last_block_num_tokens}"
+    )
     seq.append_token(1)
     assert (seq.num_blocks, seq.last_block_num_tokens) == (k + 1, 1), (
-        "one token past a full block opens a new block holding 1 token"
+        "one token past a full block opens a new block holding 1 token: (num_blocks, "
+        f"last_block_num_tokens) expected {(k + 1, 1)}, got "
+        f"{(seq.num_blocks, seq.last_block_num_tokens)}"
     )
 
 
 def test_part1_block_size_one_puts_each_token_in_its_own_block():
     seq = make_seq(0, 5, block_size=1)
-    assert seq.num_blocks == 5
-    assert seq.last_block_num_tokens == 1
-    assert [seq.block(i) for i in range(5)] == [[100], [101], [102], [103], [104]]
+    assert seq.num_blocks == 5, (
+        f"num_blocks == ceil(num_tokens / block_size): 5 tokens in blocks of 1 span 5 blocks, "
+        f"got {seq.num_blocks}"
+    )
+    assert seq.last_block_num_tokens == 1, (
+        f"with block size 1 the last block holds 1 token, got {seq.last_block_num_tokens}"
+    )
+    assert [seq.block(i) for i in range(5)] == [[100], [101], [102], [103], [104]], (
+        "logical block i holds positions [i * block_size, (i + 1) * block_size): with block "
+        f"size 1, block(i) is [token i]; got {[seq.block(i) for i in range(5)]}"
+    )
 
 
 @given(
@@ -146,8 +195,14 @@ def test_part1_blocks_concatenate_to_the_tokens(tokens, block_size, appended):
         seq.append_token(token)
     blocks = [seq.block(i) for i in range(seq.num_blocks)]
     joined = [token for block in blocks for token in block]
-    assert joined == tokens + appended, "block(0) + ... + block(n-1) must equal token_ids"
-    assert all(len(b) == block_size for b in blocks[:-1]), "every block but the last is full"
+    assert joined == tokens + appended, (
+        f"block(0) + ... + block(n-1) must equal token_ids: expected {tokens + appended}, "
+        f"got {joined}"
+    )
+    assert all(len(b) == block_size for b in blocks[:-1]), (
+        f"every block but the last is full ({block_size} tokens): block sizes "
+        f"{[len(b) for b in blocks]}"
+    )
 
 
 @pytest.mark.parametrize("index", [-1, 2, 10])
@@ -186,9 +241,12 @@ def test_part1_appending_to_a_finished_sequence_raises_and_changes_nothing(statu
 def test_part1_unfinished_statuses_take_tokens(status):
     seq = make_seq(0, 3, block_size=4)
     seq.status = status
-    assert not seq.is_finished
+    assert not seq.is_finished, f"{status.name} is not a FINISHED_* status: is_finished is False"
     seq.append_token(9)
-    assert seq.num_tokens == 4
+    assert seq.num_tokens == 4, (
+        f"an unfinished ({status.name}) sequence takes tokens: 3 + 1 appended = 4 expected, "
+        f"got {seq.num_tokens}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,19 +256,37 @@ def test_part1_unfinished_statuses_take_tokens(status):
 
 def test_part2_pool_starts_with_every_block_free():
     pool = BlockAllocator(Device.GPU, 8)
-    assert pool.num_blocks == 8
-    assert pool.num_free_blocks == 8
-    assert [b.block_id for b in pool.blocks] == list(range(8)), "blocks[i].block_id must be i"
-    assert all(b.device is Device.GPU and b.ref_count == 0 for b in pool.blocks)
+    assert pool.num_blocks == 8, f"num_blocks is the pool's size: expected 8, got {pool.num_blocks}"
+    assert pool.num_free_blocks == 8, (
+        f"a new pool has every block free: expected 8 free, got {pool.num_free_blocks}"
+    )
+    assert [b.block_id for b in pool.blocks] == list(range(8)), (
+        f"blocks[i].block_id must be i: got ids {[b.block_id for b in pool.blocks]}"
+    )
+    assert all(b.device is Device.GPU for b in pool.blocks), (
+        f"every block of a GPU pool has device GPU: got {[b.device for b in pool.blocks]}"
+    )
+    assert all(b.ref_count == 0 for b in pool.blocks), (
+        "a new pool's blocks are free (ref_count 0): got ref counts "
+        f"{[b.ref_count for b in pool.blocks]}"
+    )
 
 
 def test_part2_allocate_hands_out_distinct_blocks_with_one_holder():
     pool = BlockAllocator(Device.CPU, 5)
     taken = [pool.allocate() for _ in range(5)]
-    assert len({b.block_id for b in taken}) == 5, "allocate returned the same block twice"
-    assert all(b.ref_count == 1 for b in taken), "an allocated block has ref_count 1"
-    assert all(pool.blocks[b.block_id] is b for b in taken), "allocate returns the pool's Block"
-    assert pool.num_free_blocks == 0
+    assert len({b.block_id for b in taken}) == 5, (
+        f"allocate returned the same block twice: ids {[b.block_id for b in taken]}"
+    )
+    assert all(b.ref_count == 1 for b in taken), (
+        f"an allocated block has ref_count 1: got {[b.ref_count for b in taken]}"
+    )
+    assert all(pool.blocks[b.block_id] is b for b in taken), (
+        "allocate returns the pool's own Block (blocks[block_id]), not a new one"
+    )
+    assert pool.num_free_blocks == 0, (
+        f"all 5 blocks of a pool of 5 are in use: expected 0 free, got {pool.num_free_blocks}"
+    )
 
 
 def test_part2_exhausted_pool_raises_no_free_blocks_and_changes_nothing():
@@ -219,13 +295,21 @@ def test_part2_exhausted_pool_raises_no_free_blocks_and_changes_nothing():
     pool.allocate()
     with pytest.raises(NoFreeBlocksError):
         pool.allocate()
-    assert pool.num_free_blocks == 0
-    assert [b.ref_count for b in pool.blocks] == [1, 1], "a failed allocate changes no ref count"
+    assert pool.num_free_blocks == 0, (
+        f"NoFreeBlocksError leaves every count unchanged: expected 0 free, got "
+        f"{pool.num_free_blocks}"
+    )
+    assert [b.ref_count for b in pool.blocks] == [1, 1], (
+        f"a failed allocate changes no ref count: expected [1, 1], got "
+        f"{[b.ref_count for b in pool.blocks]}"
+    )
 
 
 def test_part2_empty_pool_is_allowed_and_has_nothing_to_give():
     pool = BlockAllocator(Device.CPU, 0)
-    assert pool.num_free_blocks == 0
+    assert pool.num_free_blocks == 0, (
+        f"a pool of 0 blocks has 0 free blocks, got {pool.num_free_blocks}"
+    )
     with pytest.raises(NoFreeBlocksError):
         pool.allocate()
 
@@ -239,11 +323,14 @@ def test_part2_freed_block_can_be_allocated_again():
     pool = BlockAllocator(Device.GPU, 3)
     b = [pool.allocate() for _ in range(3)][1]
     pool.free(b)
-    assert b.ref_count == 0
-    assert pool.num_free_blocks == 1
+    assert b.ref_count == 0, f"free drops the only holder: ref_count expected 0, got {b.ref_count}"
+    assert pool.num_free_blocks == 1, (
+        f"a block whose count drops to zero is free again: expected 1 free, got "
+        f"{pool.num_free_blocks}"
+    )
     again = pool.allocate()
     assert again is b, f"the only free block is {b.block_id}, allocate returned {again.block_id}"
-    assert again.ref_count == 1
+    assert again.ref_count == 1, f"allocate returns a block with ref_count 1, got {again.ref_count}"
 
 
 def test_part2_double_free_raises_and_changes_nothing():
@@ -252,10 +339,18 @@ def test_part2_double_free_raises_and_changes_nothing():
     pool.free(block)
     with pytest.raises(DoubleFreeError):
         pool.free(block)
-    assert pool.num_free_blocks == 4, "after a rejected double free, every block is still free"
-    assert block.ref_count == 0, "a ref count never goes below zero"
+    assert pool.num_free_blocks == 4, (
+        f"after a rejected double free, every block is still free: expected 4 free, got "
+        f"{pool.num_free_blocks}"
+    )
+    assert block.ref_count == 0, (
+        f"a ref count never goes below zero: expected 0, got {block.ref_count}"
+    )
     taken = {pool.allocate().block_id for _ in range(4)}
-    assert taken == {0, 1, 2, 3}, "a double free must not put a block twice on the free list"
+    assert taken == {0, 1, 2, 3}, (
+        "a double free must not put a block twice on the free list: 4 allocations gave ids "
+        f"{sorted(taken)}, expected [0, 1, 2, 3]"
+    )
     with pytest.raises(NoFreeBlocksError):
         pool.allocate()
 
@@ -268,8 +363,19 @@ def test_part2_freeing_a_block_of_another_pool_raises_and_changes_nothing():
     for foreign in (cpu.allocate(), other_gpu.allocate(), Block(99, Device.GPU, ref_count=1)):
         with pytest.raises(ValueError):
             gpu.free(foreign)
-    assert gpu.num_free_blocks == 3 and mine.ref_count == 1
-    assert cpu.num_free_blocks == 3 and other_gpu.num_free_blocks == 3
+    assert gpu.num_free_blocks == 3, (
+        "freeing a block of another pool raises ValueError and changes nothing: expected 3 "
+        f"free, got {gpu.num_free_blocks}"
+    )
+    assert mine.ref_count == 1, (
+        "a rejected free changes no ref count: the pool's own allocated block expected "
+        f"ref_count 1, got {mine.ref_count}"
+    )
+    assert cpu.num_free_blocks == 3 and other_gpu.num_free_blocks == 3, (
+        "a rejected free changes no count in the block's own pool either: expected 3 free in "
+        f"each, the CPU pool has {cpu.num_free_blocks}, the other GPU pool "
+        f"{other_gpu.num_free_blocks}"
+    )
 
 
 def test_part2_shared_block_is_free_only_after_its_last_holder_frees_it():
@@ -277,21 +383,31 @@ def test_part2_shared_block_is_free_only_after_its_last_holder_frees_it():
     block = pool.allocate()
     pool.share(block)
     pool.share(block)
-    assert block.ref_count == 3
+    assert block.ref_count == 3, (
+        f"allocate gives 1 holder and each share adds one: expected ref_count 3, got "
+        f"{block.ref_count}"
+    )
     pool.free(block)
     pool.free(block)
     assert (block.ref_count, pool.num_free_blocks) == (1, 1), (
-        "a block with holders left is not free"
+        "a block with holders left is not free: after 2 of 3 frees, (ref_count, free blocks) "
+        f"expected (1, 1), got {(block.ref_count, pool.num_free_blocks)}"
     )
     pool.free(block)
-    assert (block.ref_count, pool.num_free_blocks) == (0, 2)
+    assert (block.ref_count, pool.num_free_blocks) == (0, 2), (
+        "the last holder's free makes the block free: (ref_count, free blocks) expected (0, 2), "
+        f"got {(block.ref_count, pool.num_free_blocks)}"
+    )
 
 
 def test_part2_sharing_a_free_block_is_rejected():
     pool = BlockAllocator(Device.GPU, 2)
     with pytest.raises(ValueError):
         pool.share(pool.blocks[0])
-    assert pool.num_free_blocks == 2 and pool.blocks[0].ref_count == 0
+    assert pool.num_free_blocks == 2 and pool.blocks[0].ref_count == 0, (
+        "sharing a free block raises ValueError and changes no count: expected 2 free and "
+        f"ref_count 0, got {pool.num_free_blocks} free and ref_count {pool.blocks[0].ref_count}"
+    )
 
 
 class StandInEvictor:
@@ -331,8 +447,14 @@ def test_part2_freed_block_with_a_hash_goes_to_the_evictor():
     block = pool.allocate()
     block.content_hash, block.num_hashed_tokens = 1234, 16
     pool.free(block)
-    assert block.block_id in pool.evictor, "a freed block with content is cached, not discarded"
-    assert pool.num_free_blocks == 4, "a cached free block still counts as free"
+    assert block.block_id in pool.evictor, (
+        "a block whose count drops to zero goes to the evictor if it has a content_hash: "
+        f"block {block.block_id} is not in it"
+    )
+    assert pool.num_free_blocks == 4, (
+        "a cached free block still counts as free (free list plus evictor): expected 4, got "
+        f"{pool.num_free_blocks}"
+    )
 
 
 def test_part2_allocator_draws_from_truly_free_blocks_before_evicting():
@@ -343,13 +465,23 @@ def test_part2_allocator_draws_from_truly_free_blocks_before_evicting():
         pool.free(block)
     pool.free(blocks[2])  # no hash: truly free
     first = pool.allocate()
-    assert first is blocks[2], "the free list comes before evicting cached content"
-    second = pool.allocate()
-    assert second is blocks[1], "then the least recently used cached block is evicted"
-    assert second.content_hash is None and second.num_hashed_tokens == 0, (
-        "an evicted block's content record is cleared"
+    assert first is blocks[2], (
+        "allocate takes from the free list first and evicts only when it is empty: expected "
+        f"block {blocks[2].block_id}, got {first.block_id}"
     )
-    assert pool.allocate() is blocks[0]
+    second = pool.allocate()
+    assert second is blocks[1], (
+        "then the least recently used cached block is evicted: expected block "
+        f"{blocks[1].block_id} (accessed at 1.0), got {second.block_id}"
+    )
+    assert second.content_hash is None and second.num_hashed_tokens == 0, (
+        "an evicted block's content record is cleared: expected content_hash None and "
+        f"num_hashed_tokens 0, got {second.content_hash} and {second.num_hashed_tokens}"
+    )
+    assert pool.allocate() is blocks[0], (
+        f"the free list is empty and only block {blocks[0].block_id} is cached: allocate must "
+        "evict it"
+    )
     with pytest.raises(NoFreeBlocksError):
         pool.allocate()
 
@@ -360,9 +492,26 @@ def test_part2_reuse_takes_a_cached_block_back_with_its_content():
     block.content_hash, block.num_hashed_tokens = 99, 16
     pool.free(block)
     again = pool.reuse(block.block_id)
-    assert again is block and block.ref_count == 1 and block.content_hash == 99
-    assert block.block_id not in pool.evictor and pool.num_free_blocks == 1
-    assert pool.reuse(block.block_id).ref_count == 2, "reusing a block in use adds a holder"
+    assert again is block, (
+        f"reuse(block_id) returns the pool's block {block.block_id} itself, got {again!r}"
+    )
+    assert block.ref_count == 1, (
+        f"a free block taken back by reuse has ref_count 1, got {block.ref_count}"
+    )
+    assert block.content_hash == 99, (
+        "reuse keeps the block's content (a prefix-cache hit): content_hash expected 99, got "
+        f"{block.content_hash}"
+    )
+    assert block.block_id not in pool.evictor, (
+        f"reuse takes the cached block out of the evictor: block {block.block_id} is still in it"
+    )
+    assert pool.num_free_blocks == 1, (
+        f"a reused block is in use, no longer free: expected 1 free of 2, got "
+        f"{pool.num_free_blocks}"
+    )
+    assert pool.reuse(block.block_id).ref_count == 2, (
+        f"reusing a block in use adds a holder: expected ref_count 2, got {block.ref_count}"
+    )
 
 
 def seconds_for_allocate_and_free(num_blocks: int, count: int = 8192, repeats: int = 5) -> float:
@@ -395,7 +544,9 @@ def test_part2_reuse_of_a_free_block_without_content_is_rejected():
     for outside in (5, 2, -1):
         with pytest.raises(ValueError):
             pool.reuse(outside)
-    assert pool.num_free_blocks == 2
+    assert pool.num_free_blocks == 2, (
+        f"a rejected reuse changes no count: expected 2 free, got {pool.num_free_blocks}"
+    )
 
 
 def test_part2_reuse_of_a_negative_id_is_rejected_even_when_the_last_block_is_in_use():
@@ -432,7 +583,10 @@ def test_part2_free_plus_used_is_always_the_pool_size(ops):
         assert pool.num_free_blocks + used == 6, (
             f"free ({pool.num_free_blocks}) + used ({used}) must equal the pool size 6"
         )
-        assert [b.ref_count for b in pool.blocks] == [holders[i] for i in range(6)]
+        assert [b.ref_count for b in pool.blocks] == [holders[i] for i in range(6)], (
+            "each block's ref_count counts its holders (allocate 1, share +1, free -1): "
+            f"expected {[holders[i] for i in range(6)]}, got {[b.ref_count for b in pool.blocks]}"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,21 +613,41 @@ def test_part3_rejects_bad_configuration(kwargs):
 
 
 def test_part3_default_watermark_is_one_percent_of_the_gpu_pool():
-    assert BlockManager(16, 1000).watermark_blocks == 10
-    assert BlockManager(16, 99).watermark_blocks == 0, "int(0.01 * 99) == 0"
+    assert BlockManager(16, 1000).watermark_blocks == 10, (
+        "watermark_blocks is int(watermark * num_gpu_blocks): the default watermark 0.01 of "
+        "1000 GPU blocks is 10"
+    )
+    assert BlockManager(16, 99).watermark_blocks == 0, (
+        "watermark_blocks is int(watermark * num_gpu_blocks), rounded down: int(0.01 * 99) == 0"
+    )
 
 
 def test_part3_allocate_gives_one_block_per_logical_block():
     bm = BlockManager(block_size=4, num_gpu_blocks=10, watermark=0.0)
     seq = make_seq(1, 9, 4)
-    assert bm.can_allocate(seq) is AllocStatus.OK
+    assert bm.can_allocate(seq) is AllocStatus.OK, (
+        "9 tokens need 3 blocks, 10 are free and the watermark is 0: can_allocate expected OK"
+    )
     bm.allocate(seq)
     assert len(seq.block_table) == 3, f"9 tokens in blocks of 4 need 3 blocks: {seq.block_table}"
-    assert len(set(seq.block_table)) == 3, "a block table never holds a block twice"
-    assert bm.num_free_gpu_blocks == 7
-    assert bm.get_block_table(seq) == seq.block_table
-    assert all(bm.gpu_allocator.blocks[b].ref_count == 1 for b in seq.block_table)
-    assert bm.device_of(seq) is Device.GPU
+    assert len(set(seq.block_table)) == 3, (
+        f"a block table never holds a block twice: {seq.block_table}"
+    )
+    assert bm.num_free_gpu_blocks == 7, (
+        "allocate takes one GPU block per logical block: 10 - 3 = 7 free expected, got "
+        f"{bm.num_free_gpu_blocks}"
+    )
+    assert bm.get_block_table(seq) == seq.block_table, (
+        f"get_block_table returns the sequence's block table {seq.block_table}"
+    )
+    assert all(bm.gpu_allocator.blocks[b].ref_count == 1 for b in seq.block_table), (
+        "a newly allocated block has one holder: expected ref counts all 1, got "
+        f"{[bm.gpu_allocator.blocks[b].ref_count for b in seq.block_table]}"
+    )
+    assert bm.device_of(seq) is Device.GPU, (
+        f"allocate puts the sequence's blocks on the GPU: device_of expected Device.GPU, got "
+        f"{bm.device_of(seq)}"
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -481,19 +655,29 @@ def test_part3_prompt_of_exactly_k_blocks_takes_k_blocks(k):
     bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
     seq = make_seq(1, 4 * k, 4)
     bm.allocate(seq)
-    assert len(seq.block_table) == k, f"{4 * k} tokens fill exactly {k} blocks of 4, no more"
+    assert len(seq.block_table) == k, (
+        f"{4 * k} tokens fill exactly {k} blocks of 4, no more: got table {seq.block_table}"
+    )
 
 
 def test_part3_block_size_one_takes_a_block_per_token():
     bm = BlockManager(block_size=1, num_gpu_blocks=8, watermark=0.0)
     seq = make_seq(1, 3, 1)
     bm.allocate(seq)
-    assert len(seq.block_table) == 3
+    assert len(seq.block_table) == 3, (
+        f"with block size 1 a 3-token prompt takes 3 blocks, got table {seq.block_table}"
+    )
     for n in range(4, 9):
         seq.append_token(n)
         bm.append_slot(seq)
-        assert len(seq.block_table) == n, "with block size 1 every token needs a new block"
-    assert bm.num_free_gpu_blocks == 0
+        assert len(seq.block_table) == n, (
+            f"with block size 1 every token needs a new block: {n} tokens, expected {n} "
+            f"blocks, got {len(seq.block_table)}"
+        )
+    assert bm.num_free_gpu_blocks == 0, (
+        "8 tokens of block size 1 hold all 8 GPU blocks: expected 0 free, got "
+        f"{bm.num_free_gpu_blocks}"
+    )
 
 
 def test_part3_prompt_longer_than_the_whole_pool_is_never_allocatable():
@@ -504,7 +688,11 @@ def test_part3_prompt_longer_than_the_whole_pool_is_never_allocatable():
     )
     with pytest.raises(NoFreeBlocksError):
         bm.allocate(seq)
-    assert bm.num_free_gpu_blocks == 4 and seq.block_table == []
+    assert bm.num_free_gpu_blocks == 4, (
+        "allocate is all or nothing: a prompt that does not fit takes no block, expected 4 "
+        f"free, got {bm.num_free_gpu_blocks}"
+    )
+    assert seq.block_table == [], f"a failed allocate leaves the table empty, got {seq.block_table}"
 
 
 @pytest.mark.parametrize(
@@ -520,7 +708,10 @@ def test_part3_prompt_longer_than_the_whole_pool_is_never_allocatable():
 )
 def test_part3_can_allocate_watermark_boundary(free_blocks, need, expected):
     bm = BlockManager(block_size=1, num_gpu_blocks=100, watermark=0.1)
-    assert bm.watermark_blocks == 10
+    assert bm.watermark_blocks == 10, (
+        "watermark_blocks is int(watermark * num_gpu_blocks): int(0.1 * 100) = 10 expected, "
+        f"got {bm.watermark_blocks}"
+    )
     if free_blocks < 100:
         bm.allocate(make_seq(0, 100 - free_blocks, 1))
     status = bm.can_allocate(make_seq(1, need, 1))
@@ -537,19 +728,30 @@ def test_part3_allocating_a_sequence_twice_raises_and_changes_nothing():
     table, counts = list(seq.block_table), pool_counts(bm)
     with pytest.raises(ValueError):
         bm.allocate(seq)
-    assert seq.block_table == table and pool_counts(bm) == counts
+    assert seq.block_table == table, (
+        "allocate refuses a sequence that already holds blocks and leaves its table unchanged: "
+        f"expected {table}, got {seq.block_table}"
+    )
+    assert pool_counts(bm) == counts, (
+        f"a rejected allocate changes no count: counts {counts} before, {pool_counts(bm)} after"
+    )
 
 
 def test_part3_allocate_without_room_raises_and_changes_nothing():
     bm = BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0)
     bm.allocate(make_seq(1, 8, 4))
     seq, counts = make_seq(2, 8, 4), pool_counts(bm)
-    assert bm.can_allocate(seq) is AllocStatus.LATER
+    assert bm.can_allocate(seq) is AllocStatus.LATER, (
+        "a prompt of 2 blocks fits a pool of 3 but only 1 block is free now: can_allocate "
+        "expected LATER"
+    )
     with pytest.raises(NoFreeBlocksError):
         bm.allocate(seq)
-    assert pool_counts(bm) == counts and seq.block_table == [], (
-        "allocate is all or nothing: no block may be taken when the sequence does not fit"
+    assert pool_counts(bm) == counts, (
+        "allocate is all or nothing: no block may be taken when the sequence does not fit; "
+        f"counts {counts} before, {pool_counts(bm)} after"
     )
+    assert seq.block_table == [], f"a failed allocate leaves the table empty, got {seq.block_table}"
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 4, 16])
@@ -567,14 +769,21 @@ def test_part3_append_slot_adds_a_block_exactly_when_the_new_token_opens_one(blo
             f"block size {block_size}, token #{seq.num_tokens} (position {seq.num_tokens - 1}): "
             f"expected {int(opens_block)} new block(s), got {grew}"
         )
-        assert len(seq.block_table) == ceil_div(seq.num_tokens, block_size)
+        assert len(seq.block_table) == ceil_div(seq.num_tokens, block_size), (
+            f"the blocks always cover every token: {seq.num_tokens} tokens in blocks of "
+            f"{block_size} need {ceil_div(seq.num_tokens, block_size)} blocks, the table has "
+            f"{len(seq.block_table)}"
+        )
 
 
 def test_part3_can_append_slot_needs_a_free_block_only_for_a_new_block():
     bm = BlockManager(block_size=4, num_gpu_blocks=2, watermark=0.0)
     seq = make_seq(1, 7, 4)
     bm.allocate(seq)  # both blocks taken, 1 slot left in the last one
-    assert bm.num_free_gpu_blocks == 0
+    assert bm.num_free_gpu_blocks == 0, (
+        "7 tokens in blocks of 4 take both blocks of a pool of 2: expected 0 free, got "
+        f"{bm.num_free_gpu_blocks}"
+    )
     seq.append_token(1)  # token #8 fits in the last block
     assert bm.can_append_slot(seq), "token 8 of blocks of 4 fits in the last block"
     bm.append_slot(seq)
@@ -583,7 +792,12 @@ def test_part3_can_append_slot_needs_a_free_block_only_for_a_new_block():
     counts = pool_counts(bm)
     with pytest.raises(NoFreeBlocksError):
         bm.append_slot(seq)
-    assert pool_counts(bm) == counts and len(seq.block_table) == 2
+    assert pool_counts(bm) == counts, (
+        f"a failed append_slot changes no count: counts {counts} before, {pool_counts(bm)} after"
+    )
+    assert len(seq.block_table) == 2, (
+        f"a failed append_slot leaves the table unchanged: expected 2 blocks, got {seq.block_table}"
+    )
 
 
 def test_part3_can_append_slot_ignores_the_watermark():
@@ -603,7 +817,10 @@ def test_part3_append_slot_rejects_a_sequence_more_than_one_token_past_its_block
     counts = pool_counts(bm)
     with pytest.raises(ValueError):
         bm.append_slot(seq)
-    assert pool_counts(bm) == counts
+    assert pool_counts(bm) == counts, (
+        "append_slot must follow every appended token: a sequence 2 tokens past its blocks is "
+        f"refused and no count changes; counts {counts} before, {pool_counts(bm)} after"
+    )
 
 
 def test_part3_append_slot_requires_the_sequence_on_the_gpu():
@@ -617,10 +834,20 @@ def test_part3_fork_shares_every_block_without_allocating():
     parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
     bm.allocate(parent)
     bm.fork(parent, child)
-    assert child.block_table == parent.block_table
-    assert child.block_table is not parent.block_table, "the child needs its own list"
-    assert bm.num_free_gpu_blocks == 6, "fork allocates nothing"
-    assert [bm.gpu_allocator.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+    assert child.block_table == parent.block_table, (
+        f"fork lets the child share all of the parent's blocks: expected {parent.block_table}, "
+        f"got {child.block_table}"
+    )
+    assert child.block_table is not parent.block_table, (
+        "the child needs its own list (an equal copy, not the parent's list object)"
+    )
+    assert bm.num_free_gpu_blocks == 6, (
+        f"fork allocates nothing: expected 6 free, got {bm.num_free_gpu_blocks}"
+    )
+    assert [bm.gpu_allocator.blocks[b].ref_count for b in parent.block_table] == [2, 2], (
+        "fork adds a holder to each of the parent's blocks: ref counts expected [2, 2], got "
+        f"{[bm.gpu_allocator.blocks[b].ref_count for b in parent.block_table]}"
+    )
 
 
 def test_part3_append_into_a_shared_last_block_copies_on_write():
@@ -633,11 +860,26 @@ def test_part3_append_into_a_shared_last_block_copies_on_write():
     copy = bm.append_slot(parent)
     assert copy is not None, "writing into a block another sequence holds needs a copy"
     src, dst = copy
-    assert src == shared_last and dst not in (shared_first, shared_last)
-    assert parent.block_table == [shared_first, dst], "the writer moves to the copy"
-    assert child.block_table == [shared_first, shared_last], "the other holder keeps the original"
+    assert src == shared_last, (
+        f"copy-on-write copies the shared, partly full last block: src expected {shared_last}, "
+        f"got {src}"
+    )
+    assert dst not in (shared_first, shared_last), (
+        f"copy-on-write copies into a fresh block: dst {dst} is one of the shared blocks "
+        f"{[shared_first, shared_last]}"
+    )
+    assert parent.block_table == [shared_first, dst], (
+        f"the writer moves to the copy: expected {[shared_first, dst]}, got {parent.block_table}"
+    )
+    assert child.block_table == [shared_first, shared_last], (
+        f"the other holder keeps the original: expected {[shared_first, shared_last]}, got "
+        f"{child.block_table}"
+    )
     refs = {b: bm.gpu_allocator.blocks[b].ref_count for b in (shared_first, shared_last, dst)}
-    assert refs == {shared_first: 2, shared_last: 1, dst: 1}, f"ref counts after copy: {refs}"
+    assert refs == {shared_first: 2, shared_last: 1, dst: 1}, (
+        "the writer drops its reference to the old block and holds the copy: ref counts "
+        f"expected { ({shared_first: 2, shared_last: 1, dst: 1}) }, got {refs}"
+    )
     child.append_token(1)
     assert bm.append_slot(child) is None, "the child is the last holder now: no copy"
 
@@ -647,7 +889,10 @@ def test_part3_can_append_slot_counts_the_block_a_copy_on_write_needs():
     parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
     bm.allocate(parent)
     bm.fork(parent, child)
-    assert bm.num_free_gpu_blocks == 0
+    assert bm.num_free_gpu_blocks == 0, (
+        "the parent's 2 blocks fill the pool of 2 and fork allocates nothing: expected 0 free, "
+        f"got {bm.num_free_gpu_blocks}"
+    )
     parent.append_token(1)  # token 7 fits in the last block, but that block is shared
     assert not bm.can_append_slot(parent), (
         "writing into a shared block needs a copy, and no block is free for it"
@@ -655,7 +900,13 @@ def test_part3_can_append_slot_counts_the_block_a_copy_on_write_needs():
     counts = pool_counts(bm)
     with pytest.raises(NoFreeBlocksError):
         bm.append_slot(parent)
-    assert pool_counts(bm) == counts and parent.block_table == child.block_table
+    assert pool_counts(bm) == counts, (
+        f"a failed append_slot changes no count: counts {counts} before, {pool_counts(bm)} after"
+    )
+    assert parent.block_table == child.block_table, (
+        "a failed copy-on-write leaves the parent on the shared blocks: parent "
+        f"{parent.block_table}, child {child.block_table}"
+    )
 
 
 def test_part3_a_token_past_a_full_shared_block_opens_a_block_without_copying():
@@ -666,8 +917,17 @@ def test_part3_a_token_past_a_full_shared_block_opens_a_block_without_copying():
     shared = list(parent.block_table)
     parent.append_token(1)  # token 9 opens a third block: nothing shared is written
     assert bm.append_slot(parent) is None, "no copy: the new token goes into a new block"
-    assert parent.block_table[:2] == shared and len(parent.block_table) == 3
-    assert [bm.gpu_allocator.blocks[b].ref_count for b in shared] == [2, 2]
+    assert parent.block_table[:2] == shared, (
+        "nothing shared is written, so the full shared blocks stay in the parent's table: "
+        f"expected {shared} first, got {parent.block_table}"
+    )
+    assert len(parent.block_table) == 3, (
+        f"token 9 in blocks of 4 opens a third block: expected 3 blocks, got {parent.block_table}"
+    )
+    assert [bm.gpu_allocator.blocks[b].ref_count for b in shared] == [2, 2], (
+        "no copy was made, so both shared blocks keep their 2 holders: ref counts expected "
+        f"[2, 2], got {[bm.gpu_allocator.blocks[b].ref_count for b in shared]}"
+    )
 
 
 def test_part3_fork_into_a_child_that_holds_blocks_is_rejected():
@@ -678,7 +938,14 @@ def test_part3_fork_into_a_child_that_holds_blocks_is_rejected():
     counts, table = pool_counts(bm), list(child.block_table)
     with pytest.raises(ValueError):
         bm.fork(parent, child)
-    assert pool_counts(bm) == counts and child.block_table == table
+    assert pool_counts(bm) == counts, (
+        "fork into a child that already holds blocks is refused and changes no count: counts "
+        f"{counts} before, {pool_counts(bm)} after"
+    )
+    assert child.block_table == table, (
+        f"a refused fork leaves the child's table unchanged: expected {table}, got "
+        f"{child.block_table}"
+    )
 
 
 def test_part3_a_sequence_of_another_block_size_is_rejected():
@@ -689,7 +956,10 @@ def test_part3_a_sequence_of_another_block_size_is_rejected():
     bm.allocate(parent)
     with pytest.raises(ValueError, match="block size"):
         bm.fork(parent, make_seq(3, 4, 2))
-    assert bm.num_free_gpu_blocks == 7
+    assert bm.num_free_gpu_blocks == 7, (
+        "a refused allocate or fork takes no block: only the parent's block is in use, "
+        f"expected 7 free, got {bm.num_free_gpu_blocks}"
+    )
 
 
 def test_part3_slot_mapping_rejects_a_token_that_has_no_slot_yet():
@@ -700,7 +970,10 @@ def test_part3_slot_mapping_rejects_a_token_that_has_no_slot_yet():
     with pytest.raises(ValueError):
         bm.get_slot_mapping(seq, 0, 9)
     bm.append_slot(seq)
-    assert len(bm.get_slot_mapping(seq, 0, 9)) == 9
+    assert len(bm.get_slot_mapping(seq, 0, 9)) == 9, (
+        "once append_slot gave position 8 its block, get_slot_mapping(seq, 0, 9) gives one slot "
+        "per position: expected 9 slots"
+    )
 
 
 def test_part3_free_returns_the_blocks_last_first():
@@ -722,12 +995,20 @@ def test_part3_free_returns_every_block_and_empties_the_table():
     bm.allocate(a)
     bm.allocate(b)
     bm.free(a)
-    assert a.block_table == [] and bm.device_of(a) is None
-    assert bm.num_free_gpu_blocks == 7, "free(a) must return all 3 of a's blocks"
+    assert a.block_table == [], f"free empties the block table, got {a.block_table}"
+    assert bm.device_of(a) is None, (
+        f"a freed sequence holds nothing: device_of expected None, got {bm.device_of(a)}"
+    )
+    assert bm.num_free_gpu_blocks == 7, (
+        f"free(a) must return all 3 of a's blocks: expected 7 free, got {bm.num_free_gpu_blocks}"
+    )
     bm.free(b)
-    assert bm.num_free_gpu_blocks == 8
+    assert bm.num_free_gpu_blocks == 8, (
+        f"after freeing every sequence all 8 blocks are free, got {bm.num_free_gpu_blocks}"
+    )
     assert all(block.ref_count == 0 for block in bm.gpu_allocator.blocks), (
-        "after freeing every sequence, every block has ref_count 0"
+        "after freeing every sequence, every block has ref_count 0: got "
+        f"{[block.ref_count for block in bm.gpu_allocator.blocks]}"
     )
 
 
@@ -737,8 +1018,14 @@ def test_part3_freeing_a_forked_parent_keeps_the_childs_blocks():
     bm.allocate(parent)
     bm.fork(parent, child)
     bm.free(parent)
-    assert bm.num_free_gpu_blocks == 6, "the child still holds both blocks"
-    assert all(bm.gpu_allocator.blocks[b].ref_count == 1 for b in child.block_table)
+    assert bm.num_free_gpu_blocks == 6, (
+        f"the child still holds both blocks: expected 6 free, got {bm.num_free_gpu_blocks}"
+    )
+    assert all(bm.gpu_allocator.blocks[b].ref_count == 1 for b in child.block_table), (
+        "freeing the parent drops one holder of each shared block: the child's blocks "
+        f"expected ref counts all 1, got "
+        f"{[bm.gpu_allocator.blocks[b].ref_count for b in child.block_table]}"
+    )
 
 
 def test_part3_double_free_of_a_sequence_raises_and_changes_nothing():
@@ -750,7 +1037,9 @@ def test_part3_double_free_of_a_sequence_raises_and_changes_nothing():
     counts = pool_counts(bm)
     with pytest.raises(ValueError):
         bm.free(seq)
-    assert pool_counts(bm) == counts, "a rejected free changes no count"
+    assert pool_counts(bm) == counts, (
+        f"a rejected free changes no count: counts {counts} before, {pool_counts(bm)} after"
+    )
 
 
 def test_part3_freeing_an_unknown_sequence_raises():
@@ -758,7 +1047,10 @@ def test_part3_freeing_an_unknown_sequence_raises():
     counts = pool_counts(bm)
     with pytest.raises(ValueError):
         bm.free(make_seq(5, 3, 4))
-    assert pool_counts(bm) == counts
+    assert pool_counts(bm) == counts, (
+        "free of a sequence that holds no blocks raises ValueError and changes no count: "
+        f"counts {counts} before, {pool_counts(bm)} after"
+    )
 
 
 def test_part3_slot_mapping_follows_the_block_table():
@@ -772,8 +1064,10 @@ def test_part3_slot_mapping_follows_the_block_table():
     assert bm.get_slot_mapping(seq, 0, 10) == expected, (
         f"slot of position p is block_table[p // 4] * 4 + p % 4 with table {table}"
     )
-    assert bm.get_slot_mapping(seq, 9, 10) == expected[9:], "a decode step maps only its token"
-    assert bm.get_slot_mapping(seq, 3, 3) == []
+    assert bm.get_slot_mapping(seq, 9, 10) == expected[9:], (
+        f"a decode step maps only its token: [9, 10) expected {expected[9:]}"
+    )
+    assert bm.get_slot_mapping(seq, 3, 3) == [], "an empty range [3, 3) maps to no slot"
 
 
 @pytest.mark.parametrize(("start", "end"), [(-1, 2), (3, 2), (0, 11)])
@@ -787,10 +1081,17 @@ def test_part3_slot_mapping_rejects_a_range_outside_the_tokens(start, end):
 
 def test_part3_usage_is_the_fraction_of_blocks_in_use():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=4, watermark=0.0)
-    assert bm.gpu_usage == 0.0 and bm.cpu_usage == 0.0
+    assert bm.gpu_usage == 0.0 and bm.cpu_usage == 0.0, (
+        "with no block in use both pools are 0 % used: expected gpu_usage 0.0 and cpu_usage "
+        f"0.0, got {bm.gpu_usage} and {bm.cpu_usage}"
+    )
     bm.allocate(make_seq(1, 8, 4))
-    assert bm.gpu_usage == pytest.approx(2 / 8)
-    assert bm.num_gpu_blocks == 8
+    assert bm.gpu_usage == pytest.approx(2 / 8), (
+        f"gpu_usage is the fraction of GPU blocks in use: 2 of 8 = 0.25, got {bm.gpu_usage}"
+    )
+    assert bm.num_gpu_blocks == 8, (
+        f"num_gpu_blocks is the GPU pool's size: expected 8, got {bm.num_gpu_blocks}"
+    )
 
 
 def test_part3_cpu_usage_is_zero_for_an_empty_cpu_pool():
@@ -812,7 +1113,9 @@ def test_part3_get_block_table_is_a_copy():
     seq = make_seq(1, 5, 4)
     bm.allocate(seq)
     bm.get_block_table(seq).append(99)
-    assert len(seq.block_table) == 2, "get_block_table returns a copy"
+    assert len(seq.block_table) == 2, (
+        f"get_block_table returns a copy: changing it changed the table to {seq.block_table}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -825,15 +1128,30 @@ def test_part4_swap_out_moves_the_blocks_to_the_cpu_pool():
     seq = make_seq(1, 10, 4)
     bm.allocate(seq)
     gpu_table = list(seq.block_table)
-    assert bm.can_swap_out([seq])
-    mapping = bm.swap_out([seq])
-    assert sorted(mapping) == sorted(gpu_table), "the map's keys are the GPU blocks moved"
-    assert seq.block_table == [mapping[b] for b in gpu_table], (
-        "the table now lists the CPU copies, in the same logical order"
+    assert bm.can_swap_out([seq]), (
+        "the group's 3 GPU blocks fit in the 8 free CPU blocks: can_swap_out must be True"
     )
-    assert bm.device_of(seq) is Device.CPU
-    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (8, 5)
-    assert all(bm.cpu_allocator.blocks[b].ref_count == 1 for b in seq.block_table)
+    mapping = bm.swap_out([seq])
+    assert sorted(mapping) == sorted(gpu_table), (
+        f"the map's keys are the GPU blocks moved: expected {sorted(gpu_table)}, got "
+        f"{sorted(mapping)}"
+    )
+    assert seq.block_table == [mapping[b] for b in gpu_table], (
+        "the table now lists the CPU copies, in the same logical order: expected "
+        f"{[mapping[b] for b in gpu_table]}, got {seq.block_table}"
+    )
+    assert bm.device_of(seq) is Device.CPU, (
+        f"swap_out puts the blocks on the CPU: device_of expected Device.CPU, got "
+        f"{bm.device_of(seq)}"
+    )
+    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (8, 5), (
+        "swap_out frees the 3 GPU blocks and takes 3 CPU blocks: (free GPU, free CPU) expected "
+        f"(8, 5), got {(bm.num_free_gpu_blocks, bm.num_free_cpu_blocks)}"
+    )
+    assert all(bm.cpu_allocator.blocks[b].ref_count == 1 for b in seq.block_table), (
+        "a moved block keeps its ref count (1 for an unshared block): CPU ref counts "
+        f"{[bm.cpu_allocator.blocks[b].ref_count for b in seq.block_table]}"
+    )
 
 
 def test_part4_swap_in_brings_the_blocks_back_in_order():
@@ -843,15 +1161,31 @@ def test_part4_swap_in_brings_the_blocks_back_in_order():
     gpu_table = list(seq.block_table)
     out = bm.swap_out([seq])
     cpu_table = list(seq.block_table)
-    assert bm.can_swap_in([seq]) is AllocStatus.OK
-    back = bm.swap_in([seq])
-    assert sorted(back) == sorted(cpu_table)
-    assert seq.block_table == [back[out[block]] for block in gpu_table], (
-        "after a round trip each logical block sits where the two maps send it"
+    assert bm.can_swap_in([seq]) is AllocStatus.OK, (
+        "3 blocks, the newest token has its slot, 8 free GPU blocks, watermark 0: can_swap_in "
+        "expected OK"
     )
-    assert bm.device_of(seq) is Device.GPU
-    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (5, 8)
-    assert bm.get_slot_mapping(seq, 0, 1) == [seq.block_table[0] * 4]
+    back = bm.swap_in([seq])
+    assert sorted(back) == sorted(cpu_table), (
+        f"swap_in's map's keys are the CPU blocks moved: expected {sorted(cpu_table)}, got "
+        f"{sorted(back)}"
+    )
+    assert seq.block_table == [back[out[block]] for block in gpu_table], (
+        "after a round trip each logical block sits where the two maps send it: expected "
+        f"{[back.get(out.get(block)) for block in gpu_table]}, got {seq.block_table}"
+    )
+    assert bm.device_of(seq) is Device.GPU, (
+        f"swap_in puts the blocks back on the GPU: device_of expected Device.GPU, got "
+        f"{bm.device_of(seq)}"
+    )
+    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (5, 8), (
+        "swap_in takes 3 GPU blocks and frees the 3 CPU blocks: (free GPU, free CPU) expected "
+        f"(5, 8), got {(bm.num_free_gpu_blocks, bm.num_free_cpu_blocks)}"
+    )
+    assert bm.get_slot_mapping(seq, 0, 1) == [seq.block_table[0] * 4], (
+        "after swap_in the slots follow the new GPU table: position 0 is offset 0 of block "
+        f"{seq.block_table[0]}, slot {seq.block_table[0] * 4}"
+    )
 
 
 def test_part4_swapping_a_group_that_shares_blocks_moves_each_block_once():
@@ -864,14 +1198,33 @@ def test_part4_swapping_a_group_that_shares_blocks_moves_each_block_once():
     shared = parent.block_table[0]
     mapping = bm.swap_out([parent, child])
     assert len(mapping) == 3, f"3 distinct blocks move (one shared), mapping was {mapping}"
-    assert parent.block_table[0] == child.block_table[0] == mapping[shared]
+    assert parent.block_table[0] == child.block_table[0] == mapping[shared], (
+        f"a shared block moves once: GPU block {shared} goes to CPU block "
+        f"{mapping.get(shared)}, held by both tables; parent {parent.block_table}, child "
+        f"{child.block_table}"
+    )
     cpu_shared = bm.cpu_allocator.blocks[mapping[shared]]
-    assert cpu_shared.ref_count == 2, "a shared block keeps its ref count when it moves"
-    assert bm.num_free_cpu_blocks == 5 and bm.num_free_gpu_blocks == 8
+    assert cpu_shared.ref_count == 2, (
+        f"a shared block keeps its ref count when it moves: expected 2, got {cpu_shared.ref_count}"
+    )
+    assert bm.num_free_cpu_blocks == 5 and bm.num_free_gpu_blocks == 8, (
+        "3 distinct blocks move, the shared one once: expected 5 free CPU and 8 free GPU "
+        f"blocks, got {bm.num_free_cpu_blocks} and {bm.num_free_gpu_blocks}"
+    )
     back = bm.swap_in([parent, child])
-    assert len(back) == 3 and parent.block_table[0] == child.block_table[0]
-    assert bm.gpu_allocator.blocks[parent.block_table[0]].ref_count == 2
-    assert bm.num_free_gpu_blocks == 5 and bm.num_free_cpu_blocks == 8
+    assert len(back) == 3, f"swap_in moves each of the 3 distinct blocks once, map was {back}"
+    assert parent.block_table[0] == child.block_table[0], (
+        "the shared block comes back as one GPU block held by both: parent "
+        f"{parent.block_table}, child {child.block_table}"
+    )
+    assert bm.gpu_allocator.blocks[parent.block_table[0]].ref_count == 2, (
+        "a shared block keeps its ref count on the way back: expected 2, got "
+        f"{bm.gpu_allocator.blocks[parent.block_table[0]].ref_count}"
+    )
+    assert bm.num_free_gpu_blocks == 5 and bm.num_free_cpu_blocks == 8, (
+        "3 distinct blocks come back, the shared one once: expected 5 free GPU and 8 free CPU "
+        f"blocks, got {bm.num_free_gpu_blocks} and {bm.num_free_cpu_blocks}"
+    )
 
 
 def test_part4_swapping_part_of_a_sharing_group_is_rejected():
@@ -882,8 +1235,16 @@ def test_part4_swapping_part_of_a_sharing_group_is_rejected():
     counts, table = pool_counts(bm), list(parent.block_table)
     with pytest.raises(ValueError):
         bm.swap_out([parent])  # the child still holds the blocks on the GPU
-    assert pool_counts(bm) == counts and parent.block_table == table
-    assert bm.device_of(parent) is Device.GPU
+    assert pool_counts(bm) == counts, (
+        "every holder of every block must be in the group: a swap that leaves one out raises "
+        f"and changes no count; counts {counts} before, {pool_counts(bm)} after"
+    )
+    assert parent.block_table == table, (
+        f"a refused swap rewrites no table: expected {table}, got {parent.block_table}"
+    )
+    assert bm.device_of(parent) is Device.GPU, (
+        f"a refused swap leaves the sequence on the GPU: device_of got {bm.device_of(parent)}"
+    )
 
 
 def test_part4_a_sharer_left_out_is_found_before_any_block_moves():
@@ -899,7 +1260,10 @@ def test_part4_a_sharer_left_out_is_found_before_any_block_moves():
         "the group is checked for sharers outside it before anything moves: no CPU block taken, "
         f"counts {counts} before, {pool_counts(bm)} after"
     )
-    assert (alone.block_table, parent.block_table) == tables
+    assert (alone.block_table, parent.block_table) == tables, (
+        f"a refused swap rewrites no table: expected {tables}, got "
+        f"{(alone.block_table, parent.block_table)}"
+    )
 
 
 def test_part4_a_group_listing_a_sequence_twice_is_refused_by_every_swap_call():
@@ -918,11 +1282,22 @@ def test_part4_swap_out_without_cpu_room_is_all_or_nothing():
     seq = make_seq(1, 10, 4)  # 3 blocks > 2 CPU blocks
     bm.allocate(seq)
     counts, table = pool_counts(bm), list(seq.block_table)
-    assert not bm.can_swap_out([seq])
+    assert not bm.can_swap_out([seq]), (
+        "3 GPU blocks do not fit in 2 free CPU blocks: can_swap_out must be False"
+    )
     with pytest.raises(NoFreeBlocksError):
         bm.swap_out([seq])
-    assert pool_counts(bm) == counts, "a swap that cannot complete must take no CPU block"
-    assert seq.block_table == table and bm.device_of(seq) is Device.GPU
+    assert pool_counts(bm) == counts, (
+        "a swap that cannot complete must take no CPU block: counts "
+        f"{counts} before, {pool_counts(bm)} after"
+    )
+    assert seq.block_table == table, (
+        f"a swap that cannot complete rewrites no table: expected {table}, got {seq.block_table}"
+    )
+    assert bm.device_of(seq) is Device.GPU, (
+        "a swap that cannot complete leaves the sequence on the GPU: device_of got "
+        f"{bm.device_of(seq)}"
+    )
 
 
 def test_part4_swap_in_respects_the_watermark_and_is_all_or_nothing():
@@ -937,7 +1312,14 @@ def test_part4_swap_in_respects_the_watermark_and_is_all_or_nothing():
     counts = pool_counts(bm)
     with pytest.raises(NoFreeBlocksError):
         bm.swap_in([seq])
-    assert pool_counts(bm) == counts and bm.device_of(seq) is Device.CPU
+    assert pool_counts(bm) == counts, (
+        "a swap-in that would dip below the watermark raises and changes no count: counts "
+        f"{counts} before, {pool_counts(bm)} after"
+    )
+    assert bm.device_of(seq) is Device.CPU, (
+        "a swap-in that cannot complete leaves the sequence on the CPU: device_of got "
+        f"{bm.device_of(seq)}"
+    )
 
 
 def swap_in_lookahead(group: list[Sequence]) -> int:
@@ -966,7 +1348,13 @@ def test_part4_swap_in_reserves_a_block_for_a_newest_token_without_a_slot():
         "a sequence whose newest token opens a new block needs its 2 blocks + 1 to come back "
         f"and decode; 2 are free: LATER, got {status}"
     )
-    assert bm.can_swap_in([seq]) is AllocStatus.LATER and bm.device_of(seq) is Device.CPU
+    assert bm.can_swap_in([seq]) is AllocStatus.LATER, (
+        "can_swap_in only answers, so asking again gives the same answer: expected LATER"
+    )
+    assert bm.device_of(seq) is Device.CPU, (
+        f"can_swap_in moves nothing: the sequence stays on the CPU, device_of got "
+        f"{bm.device_of(seq)}"
+    )
 
 
 def test_part4_swap_in_needs_no_lookahead_when_the_newest_token_has_a_slot():
@@ -1009,7 +1397,10 @@ def test_part4_swap_in_never_keeps_the_watermark_like_admission():
     bm.allocate(small)
     small.append_token(1)
     bm.swap_out([small])  # 7 + 1 = 8: 10 - 8 = the watermark, so not NEVER
-    assert bm.can_swap_in([small]) is AllocStatus.OK
+    assert bm.can_swap_in([small]) is AllocStatus.OK, (
+        "7 blocks + 1 for the newest token = 8 of 10 free, leaving exactly the watermark of 2: "
+        "can_swap_in expected OK"
+    )
 
 
 def test_part4_swap_in_counts_a_lookahead_per_sequence_and_shared_blocks_once():
@@ -1051,7 +1442,12 @@ def test_part4_swap_requires_the_group_on_the_source_device():
         bm.swap_in([seq])  # it is on the GPU
     with pytest.raises(ValueError):
         bm.swap_out([seq, seq])  # listed twice
-    assert bm.device_of(seq) is Device.GPU and bm.num_free_cpu_blocks == 8
+    assert bm.device_of(seq) is Device.GPU, (
+        f"a refused swap leaves the sequence on the GPU: device_of got {bm.device_of(seq)}"
+    )
+    assert bm.num_free_cpu_blocks == 8, (
+        f"a refused swap takes no CPU block: expected 8 free, got {bm.num_free_cpu_blocks}"
+    )
 
 
 def test_part4_a_cpu_pool_of_exactly_the_groups_distinct_blocks_is_enough():
@@ -1061,9 +1457,16 @@ def test_part4_a_cpu_pool_of_exactly_the_groups_distinct_blocks_is_enough():
     bm.fork(parent, child)
     child.append_token(1)
     bm.append_slot(child)  # tables [a, b] and [a, c]: 4 entries, 3 distinct blocks
-    assert bm.can_swap_out([parent, child]), "3 distinct blocks fit 3 free CPU blocks"
-    assert len(bm.swap_out([parent, child])) == 3
-    assert bm.num_free_cpu_blocks == 0
+    assert bm.can_swap_out([parent, child]), (
+        "a shared block moves once: 3 distinct blocks fit 3 free CPU blocks, can_swap_out must "
+        "be True"
+    )
+    assert len(bm.swap_out([parent, child])) == 3, (
+        "swap_out moves each of the 3 distinct blocks once: expected a map of 3 entries"
+    )
+    assert bm.num_free_cpu_blocks == 0, (
+        f"3 distinct blocks take all 3 CPU blocks: expected 0 free, got {bm.num_free_cpu_blocks}"
+    )
 
 
 def test_part4_swap_in_exactly_at_the_watermark_is_allowed():
@@ -1076,7 +1479,9 @@ def test_part4_swap_in_exactly_at_the_watermark_is_allowed():
         "exactly watermark_blocks left free after the swap is fine"
     )
     bm.swap_in([seq])
-    assert bm.num_free_gpu_blocks == 10
+    assert bm.num_free_gpu_blocks == 10, (
+        f"swap_in takes the 40 blocks: 50 - 40 = 10 free expected, got {bm.num_free_gpu_blocks}"
+    )
 
 
 def test_part4_a_swapped_sequence_has_no_gpu_slots():
@@ -1093,7 +1498,11 @@ def test_part4_a_swapped_sequence_has_no_gpu_slots():
     ):
         with pytest.raises(ValueError):
             operation()
-    assert bm.num_free_gpu_blocks == 8 and bm.num_free_cpu_blocks == 6
+    assert bm.num_free_gpu_blocks == 8 and bm.num_free_cpu_blocks == 6, (
+        "a swapped-out sequence has no GPU slots: each refused call changes no count, expected "
+        f"8 free GPU and 6 free CPU blocks, got {bm.num_free_gpu_blocks} and "
+        f"{bm.num_free_cpu_blocks}"
+    )
 
 
 def test_part4_freeing_a_swapped_sequence_releases_its_cpu_blocks():
@@ -1102,8 +1511,14 @@ def test_part4_freeing_a_swapped_sequence_releases_its_cpu_blocks():
     bm.allocate(seq)
     bm.swap_out([seq])
     bm.free(seq)
-    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (8, 8)
-    assert seq.block_table == [] and bm.device_of(seq) is None
+    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (8, 8), (
+        "free returns a swapped-out sequence's blocks to the CPU pool: (free GPU, free CPU) "
+        f"expected (8, 8), got {(bm.num_free_gpu_blocks, bm.num_free_cpu_blocks)}"
+    )
+    assert seq.block_table == [], f"free empties the block table, got {seq.block_table}"
+    assert bm.device_of(seq) is None, (
+        f"a freed sequence holds nothing: device_of expected None, got {bm.device_of(seq)}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1186,7 +1601,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             else AllocStatus.LATER
         )
         status = self.bm.can_allocate(seq)
-        assert status is expected, f"need {need}, free {free}, pool {total}, watermark {mark}"
+        assert status is expected, (
+            f"can_allocate with need {need}, free {free}, pool {total}, watermark {mark}: "
+            f"expected {expected.name}, got {status}"
+        )
         if status is AllocStatus.OK:
             self.bm.allocate(seq)
             self.live[seq.seq_id] = seq
@@ -1213,7 +1631,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             counts = pool_counts(self.bm)
             with pytest.raises(NoFreeBlocksError):
                 self.bm.append_slot(seq)
-            assert pool_counts(self.bm) == counts
+            assert pool_counts(self.bm) == counts, (
+                "a failed append_slot changes no count: counts "
+                f"{counts} before, {pool_counts(self.bm)} after"
+            )
             self.release(seq)  # what the scheduler does: preempt it
             return
         copy = self.bm.append_slot(seq)
@@ -1247,7 +1668,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         counts = pool_counts(self.bm)
         with pytest.raises(ValueError):
             self.bm.free(seq)
-        assert pool_counts(self.bm) == counts
+        assert pool_counts(self.bm) == counts, (
+            f"freeing sequence {seq.seq_id} twice is refused and changes no count: counts "
+            f"{counts} before, {pool_counts(self.bm)} after"
+        )
 
     @precondition(lambda self: self.SWAPS)
     @rule(data=st.data())
@@ -1285,11 +1709,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
             counts = pool_counts(self.bm)
             with pytest.raises(NoFreeBlocksError):
                 move(group)
-            assert pool_counts(self.bm) == counts
+            assert pool_counts(self.bm) == counts, (
+                "a swap that cannot complete raises and changes nothing: counts "
+                f"{counts} before, {pool_counts(self.bm)} after"
+            )
             return
         mapping = move(group)
         distinct = {b for s in group for b in s.block_table}
-        assert len(mapping) == len(distinct), "each distinct block moves exactly once"
+        assert len(mapping) == len(distinct), (
+            f"each distinct block moves exactly once: {len(distinct)} distinct blocks, map "
+            f"{mapping}"
+        )
         self.copy(src, dst, mapping)
 
     def release(self, seq):
@@ -1331,7 +1761,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for seq in self.live.values():
             device = self.bm.device_of(seq)
-            assert len(seq.block_table) == ceil_div(seq.num_tokens, self.bs)
+            assert len(seq.block_table) == ceil_div(seq.num_tokens, self.bs), (
+                f"sequence {seq.seq_id}: the blocks always cover every token, {seq.num_tokens} "
+                f"tokens in blocks of {self.bs} need {ceil_div(seq.num_tokens, self.bs)} "
+                f"blocks, its table {seq.block_table} has {len(seq.block_table)}"
+            )
             blocks = [self.cache[device][b] for b in seq.block_table]
             stored = [token for block in blocks for token in block][: seq.num_tokens]
             assert stored == seq.token_ids, (
@@ -1342,8 +1776,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def freed_sequences_hold_nothing(self):
         for seq in self.freed:
-            assert seq.block_table == [] and self.bm.device_of(seq) is None, (
-                f"freed sequence {seq.seq_id} still holds {seq.block_table}"
+            assert seq.block_table == [], (
+                f"free empties the table: freed sequence {seq.seq_id} still holds {seq.block_table}"
+            )
+            assert self.bm.device_of(seq) is None, (
+                f"a freed sequence holds nothing: device_of sequence {seq.seq_id} expected "
+                f"None, got {self.bm.device_of(seq)}"
             )
 
 
@@ -1374,7 +1812,9 @@ def test_part5_evicts_the_least_recently_used_block_first():
         evictor.add(block)
     order = [evictor.evict().block_id for _ in range(3)]
     assert order == [1, 2, 0], f"oldest access first: expected [1, 2, 0], got {order}"
-    assert len(evictor) == 0
+    assert len(evictor) == 0, (
+        f"evict removes the block it returns: after 3 evictions expected 0 held, got {len(evictor)}"
+    )
 
 
 def test_part5_ties_go_to_the_block_with_more_hashed_tokens():
@@ -1394,7 +1834,7 @@ def test_part5_update_moves_a_block_back_in_the_order():
     evictor.add(cached(1, 2.0))
     evictor.update(0, 5.0)
     assert evictor.evict().block_id == 1, "block 0 was accessed at t=5, after block 1"
-    assert evictor.evict().block_id == 0
+    assert evictor.evict().block_id == 0, "block 0 is the only one left: evict returns it"
 
 
 def test_part5_removed_block_is_no_longer_evictable():
@@ -1402,7 +1842,11 @@ def test_part5_removed_block_is_no_longer_evictable():
     evictor.add(cached(0, 1.0))
     evictor.add(cached(1, 2.0))
     removed = evictor.remove(0)
-    assert removed.block_id == 0 and 0 not in evictor and len(evictor) == 1
+    assert removed.block_id == 0, (
+        f"remove(block_id) returns the held block with that id: expected 0, got {removed.block_id}"
+    )
+    assert 0 not in evictor, "a removed block is no longer held: 0 is still in the evictor"
+    assert len(evictor) == 1, f"remove takes out one block: expected 1 held, got {len(evictor)}"
     assert evictor.evict().block_id == 1, "a removed block must never be evicted"
     with pytest.raises(ValueError):
         evictor.evict()
@@ -1435,7 +1879,10 @@ def test_part5_rejects_blocks_that_cannot_be_cached():
     evictor.add(block)
     with pytest.raises(ValueError):
         evictor.add(block)
-    assert len(evictor) == 1
+    assert len(evictor) == 1, (
+        "add rejects a block in use, one without a content hash and one already held: only "
+        f"block 2 is held, expected 1, got {len(evictor)}"
+    )
 
 
 def test_part5_unknown_block_ids_are_rejected():
@@ -1445,7 +1892,12 @@ def test_part5_unknown_block_ids_are_rejected():
         evictor.remove(7)
     with pytest.raises(ValueError):
         evictor.update(7, 2.0)
-    assert len(evictor) == 1 and evictor.evict().block_id == 0
+    assert len(evictor) == 1, (
+        f"a rejected remove or update changes nothing: expected 1 held, got {len(evictor)}"
+    )
+    assert evictor.evict().block_id == 0, (
+        "a rejected remove or update changes nothing: block 0 is still held and evictable"
+    )
 
 
 @given(
@@ -1480,4 +1932,7 @@ def test_part5_matches_a_sorted_list_model(ops):
             got = evictor.evict().block_id
             assert got == expected, f"model state {model}: expected to evict {expected}, got {got}"
             del model[expected]
-        assert len(evictor) == len(model)
+        assert len(evictor) == len(model), (
+            f"len(evictor) is the number of held blocks: expected {len(model)} (blocks "
+            f"{sorted(model)}), got {len(evictor)}"
+        )
