@@ -318,8 +318,7 @@ def test_part1_the_never_reason_names_the_blocks_the_pool_and_the_watermark():
 
 def test_part1_the_never_reason_gives_the_pool_size_not_the_free_blocks():
     s = make_scheduler(num_gpu_blocks=10, max_model_len=64)
-    make_seq(s, 0, 8)
-    s.schedule()  # 2 blocks in use: 8 free
+    s.block_manager.allocate(Sequence(9, [1] * 8, 4))  # 2 blocks in use: 8 free
     huge = make_seq(s, 1, 44)  # 11 blocks
     out = s.schedule()
     assert [i.seq for i in out.ignored] == [huge], (
