@@ -397,7 +397,7 @@ def test_part1_duplicate_seq_id_is_rejected_and_changes_nothing():
     s = make_scheduler()
     make_seq(s, 0, 4)
     twin = Sequence(0, [1, 2], 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"\ba sequence with id 0 is already scheduled\b"):
         s.add(twin)
     assert s.num_unfinished == 1 and len(s.waiting) == 1, (
         "a rejected add changes nothing: still 1 unfinished sequence, in waiting; got "
@@ -421,9 +421,10 @@ def test_part1_add_rejects_a_sequence_that_is_not_fresh_or_of_another_block_size
     s = make_scheduler()
     used = Sequence(1, [1, 2], 4)
     used.status = SequenceStatus.RUNNING
-    with pytest.raises(ValueError):
+    fresh_only = r"\bsequence 1 is RUNNING\b.*\bonly a new WAITING sequence that holds no blocks\b"
+    with pytest.raises(ValueError, match=fresh_only):
         s.add(used)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"\bsequence 2 has block size 8, the scheduler 4\b"):
         s.add(Sequence(2, [1, 2], 8))
     assert s.num_unfinished == 0, (
         "a rejected add changes nothing: no sequence is queued; got "
@@ -481,7 +482,7 @@ def test_part1_aborting_an_unknown_id_raises_and_changes_nothing():
     s = make_scheduler()
     make_seq(s, 0, 4)
     s.schedule()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"\bno unfinished sequence has id 42\b"):
         s.abort(42)
     s.abort(0)
     with pytest.raises(ValueError):
@@ -858,12 +859,53 @@ def test_part2_postprocess_with_a_token_count_mismatch_raises_and_changes_nothin
     s = make_scheduler()
     seq = make_seq(s, 0, 4)
     out = s.schedule()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"\bpostprocess got 0 tokens for 1 sequences\b"):
         s.postprocess(out.scheduled, [])
     assert seq.num_tokens == 4 and seq.num_computed_tokens == 0, (
         "a postprocess that raises ValueError changes nothing: expected 4 tokens, 0 computed; "
         f"got {seq.num_tokens} tokens, {seq.num_computed_tokens} computed"
     )
+
+
+def test_part2_a_step_with_nothing_to_run_is_idle():
+    s = make_scheduler()
+    make_seq(s, 0, 4, max_tokens=1)
+    step(s)  # the prefill yields its only token: finished
+    out = s.schedule()
+    assert (out.kind, out.scheduled) == ("idle", []), (
+        f"with every sequence finished a step runs nothing: kind 'idle', got {out.kind!r}"
+    )
+
+
+def test_part2_a_short_chunk_in_the_middle_of_a_batch_does_not_stop_postprocess():
+    s = chunked()
+    short, full = make_seq(s, 0, 10), make_seq(s, 1, 3)
+    s.schedule()  # both admitted: short with all 10, full with 3 (planned by hand below)
+    s.postprocess(
+        [ScheduledSequence(short, 4, is_prefill=True), ScheduledSequence(full, 3, True)],
+        [TOKEN, TOKEN],
+    )
+    assert (short.num_computed_tokens, short.num_tokens) == (4, 10), (
+        "a chunk that stops short computes its tokens and yields none: 4 computed of 10, got "
+        f"{short.num_computed_tokens} of {short.num_tokens}"
+    )
+    assert (full.num_computed_tokens, full.num_tokens) == (3, 4), (
+        "the sequences after a short chunk are postprocessed too: the 3-token prompt gets its "
+        f"token; got {full.num_computed_tokens} computed of {full.num_tokens}"
+    )
+
+
+def test_part2_a_decode_takes_no_new_sequence_place(monkeypatch):
+    s = chunked(max_num_seqs=2)
+    make_seq(s, 0, 4, max_tokens=20)
+    step(s)  # 0 decodes from now on: it holds one of the 2 places
+    late = make_seq(s, 1, 4)
+    out = s.schedule()
+    assert planned(out) == [(0, 1, False), (1, 4, True)], (
+        "the running sequences are counted once, at the start of the step: a decode spends a "
+        f"token, not a place, so the second place admits sequence 1; got {planned(out)}"
+    )
+    assert late.status is SequenceStatus.RUNNING
 
 
 def test_part2_a_sequence_aborted_mid_step_is_skipped_by_postprocess():
@@ -1387,6 +1429,23 @@ def test_part4_no_swap_in_when_the_token_budget_is_spent(monkeypatch):
     )
 
 
+def test_part4_swap_in_fills_the_sequence_places():
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, max_num_seqs=2, preemption_mode="swap")
+    seqs = [make_seq(s, i, 4) for i in range(2)]
+    s.schedule()
+    for seq in seqs:  # both swapped out by hand
+        s.running.remove(seq)
+        s.block_manager.swap_out([seq])
+        seq.status = SequenceStatus.SWAPPED
+        s.swapped.append(seq)
+    out = s.schedule()
+    assert ids(s.running) == [0, 1] and not s.swapped, (
+        "max_num_seqs=2 and nothing runs: both swapped sequences come back in one step, each "
+        f"taking one place; running {ids(s.running)}, swapped {ids(s.swapped)}"
+    )
+    assert len(out.blocks_to_swap_in) == 2
+
+
 def test_part4_falls_back_to_recompute_when_the_cpu_pool_is_full():
     s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=1)
     out = s.schedule()
@@ -1548,6 +1607,36 @@ def test_part5_prefill_chunks_go_oldest_first_and_stop_when_the_budget_is_spent(
     assert budget.num_seqs == 3, (
         "chunks spend tokens, not sequence places (the sequences already run): num_seqs stays "
         f"3, got {budget.num_seqs}"
+    )
+
+
+def test_part5_with_chunked_prefill_swapped_sequences_still_come_first():
+    s = chunked(
+        num_gpu_blocks=5, num_cpu_blocks=8, preemption_mode="swap", max_num_batched_tokens=32
+    )
+    a = make_seq(s, 0, 8, max_tokens=10)
+    make_seq(s, 1, 8, max_tokens=10)
+    old = make_seq(s, 2, 3, arrival=0.5, max_tokens=10)
+    step(s)  # a, b: 2 blocks each, 9 tokens; old: 1 block
+    s.running.remove(old)  # swapped out by hand: 1 GPU block free
+    s.block_manager.swap_out([old])
+    old.status = SequenceStatus.SWAPPED
+    s.swapped.append(old)
+    out = s.schedule()  # a takes the free block; b needs one: it preempts itself (swap)
+    assert ids(out.preempted) == [1] and ids(s.swapped) == [2, 1], (
+        f"b is swapped out: preempted {ids(out.preempted)}, swapped {ids(s.swapped)}"
+    )
+    assert not out.blocks_to_swap_in, (
+        "a step never swaps in and out at once, with chunked prefill too: old stays swapped "
+        f"although 2 blocks are free now; got blocks_to_swap_in {out.blocks_to_swap_in}"
+    )
+    s.postprocess(out.scheduled, [TOKEN] * len(out.scheduled))
+    newcomer = make_seq(s, 3, 1)
+    out = s.schedule()  # old comes back (1 block); b needs 3 of the 1 left: LATER
+    assert ids(s.swapped) == [1] and a.status is SequenceStatus.RUNNING, ids(s.swapped)
+    assert newcomer.status is SequenceStatus.WAITING, (
+        "while a sequence is swapped out no new prompt is admitted, with chunked prefill too: "
+        f"the 1-token newcomer waits; got {newcomer.status.name}"
     )
 
 

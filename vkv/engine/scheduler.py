@@ -185,9 +185,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of ``waiting``.
 
-        Raises ``ValueError`` (and changes nothing) if a sequence with its id is unfinished here,
-        if it is not a fresh WAITING sequence that holds no blocks, or if its block size is not
-        the scheduler's.
+        Raises ``ValueError`` (and changes nothing) if a sequence with its id is unfinished here
+        ("a sequence with id 3 is already scheduled"), if it is not a fresh WAITING sequence
+        that holds no blocks ("sequence 3 is RUNNING with blocks [...]: only a new WAITING
+        sequence that holds no blocks can be added"), or if its block size is not the
+        scheduler's ("sequence 3 has block size 8, the scheduler 16").
         """
         ### BEGIN SOLUTION part2.1
         if seq.seq_id in self._unfinished:
@@ -209,7 +211,8 @@ class Scheduler:
     def abort(self, seq_id: int) -> Sequence:
         """Finish an unfinished sequence as FINISHED_ABORTED, free its blocks, return it.
 
-        Raises ``ValueError`` for an id that is not unfinished here; nothing changes then.
+        Raises ``ValueError`` for an id that is not unfinished here ("abort: no unfinished
+        sequence has id 42"); nothing changes then.
         """
         ### BEGIN SOLUTION part2.1
         seq = self._unfinished.get(seq_id)
@@ -354,7 +357,7 @@ class Scheduler:
         ``token_ids``, ``_stop_status`` decides whether it finishes; if so its blocks are freed
         at once and it leaves ``running``. Returns the sequences that finished. Sequences
         aborted since ``schedule`` are skipped. Raises ``ValueError`` if the two lists differ in
-        length (nothing changes).
+        length ("postprocess got 1 tokens for 2 sequences"; nothing changes).
         """
         ### BEGIN SOLUTION part2.2
         if len(scheduled) != len(token_ids):
