@@ -25,6 +25,7 @@ from vkv.engine.block import Block, BlockAllocator, Device, DoubleFreeError, NoF
 from vkv.engine.block_manager import AllocStatus, BlockManager
 from vkv.engine.evictor import Evictor
 from vkv.engine.sequence import Sequence, SequenceStatus
+from vkv.engine.swapper import Swapper
 from vkv.sampling_params import SamplingParams
 
 FAST = graded_settings(max_examples=60)
@@ -247,6 +248,35 @@ def test_part1_unfinished_statuses_take_tokens(status):
         f"an unfinished ({status.name}) sequence takes tokens: 3 + 1 appended = 4 expected, "
         f"got {seq.num_tokens}"
     )
+
+
+def test_part1_default_arrival_time_is_zero():
+    seq = Sequence(0, [1], block_size=1)
+    assert seq.arrival_time == 0.0, (
+        f"without arrival_time a sequence arrived at 0.0 (the default), got {seq.arrival_time!r}"
+    )
+
+
+def test_part1_empty_prompt_error_names_the_sequence():
+    with pytest.raises(
+        ValueError, match=r"\bsequence 3: the prompt must hold at least one token\b"
+    ):
+        Sequence(3, [], block_size=4)
+
+
+def test_part1_block_out_of_range_error_names_the_valid_range():
+    seq = make_seq(0, 5, block_size=4)  # 2 logical blocks: 0 and 1
+    message = r"\bsequence 0 has logical blocks 0\.\.1, block 2 does not exist\b"
+    with pytest.raises(IndexError, match=message):
+        seq.block(2)
+
+
+def test_part1_appending_to_a_finished_sequence_error_names_its_status():
+    seq = make_seq(3, 2, block_size=4)
+    seq.status = SequenceStatus.FINISHED_STOPPED
+    message = r"\bsequence 3 is FINISHED_STOPPED: a finished sequence takes no tokens\b"
+    with pytest.raises(ValueError, match=message):
+        seq.append_token(9)
 
 
 # --------------------------------------------------------------------------------------------
@@ -587,6 +617,65 @@ def test_part2_free_plus_used_is_always_the_pool_size(ops):
             "each block's ref_count counts its holders (allocate 1, share +1, free -1): "
             f"expected {[holders[i] for i in range(6)]}, got {[b.ref_count for b in pool.blocks]}"
         )
+
+
+def test_part2_negative_pool_size_error_names_the_value():
+    with pytest.raises(ValueError, match=r"\bnum_blocks must be >= 0, got -1\b"):
+        BlockAllocator(Device.GPU, -1)
+
+
+def test_part2_exhausted_pool_error_names_the_device_and_the_pool_size():
+    pool = BlockAllocator(Device.GPU, 2)
+    pool.allocate()
+    pool.allocate()
+    message = r"\bthe gpu pool has no free block: all 2 are in use\b"
+    with pytest.raises(NoFreeBlocksError, match=message):
+        pool.allocate()
+
+
+def test_part2_sharing_a_free_block_error_names_the_block():
+    pool = BlockAllocator(Device.GPU, 2)
+    with pytest.raises(ValueError, match=r"\bgpu block 0 is free: allocate it, do not share it\b"):
+        pool.share(pool.blocks[0])
+
+
+def test_part2_double_free_error_names_the_block():
+    pool = BlockAllocator(Device.GPU, 4)
+    block = [pool.allocate() for _ in range(4)][3]
+    pool.free(block)
+    with pytest.raises(DoubleFreeError, match=r"\bdouble free: gpu block 3 is already free\b"):
+        pool.free(block)
+
+
+@pytest.mark.parametrize(
+    ("device", "block_id", "message"),
+    [
+        (Device.CPU, 0, r"\bcpu block 0 does not belong to this gpu pool of 4 blocks\b"),
+        # an id equal to the pool's size is foreign too: a ValueError, not an IndexError
+        (Device.GPU, 4, r"\bgpu block 4 does not belong to this gpu pool of 4 blocks\b"),
+    ],
+    ids=["another-device", "id-equal-to-the-pool-size"],
+)
+def test_part2_a_foreign_block_error_names_the_block_and_the_pool(device, block_id, message):
+    pool = BlockAllocator(Device.GPU, 4)
+    with pytest.raises(ValueError, match=message):
+        pool.free(Block(block_id, device, ref_count=1))
+    assert pool.num_free_blocks == 4, (
+        f"a rejected free changes no count: expected 4 free, got {pool.num_free_blocks}"
+    )
+
+
+def test_part2_reuse_of_an_id_outside_the_pool_error_names_the_valid_range():
+    pool = BlockAllocator(Device.GPU, 2)
+    with pytest.raises(ValueError, match=r"\bblock id 5 is outside the gpu pool \(0\.\.1\)"):
+        pool.reuse(5)
+
+
+def test_part2_reuse_of_a_free_block_without_content_error_names_the_block():
+    pool = BlockAllocator(Device.GPU, 2)
+    message = r"\bgpu block 0 is free and holds no cached content\b"
+    with pytest.raises(ValueError, match=message):
+        pool.reuse(0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1118,6 +1207,128 @@ def test_part3_get_block_table_is_a_copy():
     )
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 0}, r"\bblock_size must be a positive integer, got 0\b"),
+        ({"num_gpu_blocks": 0}, r"\bnum_gpu_blocks must be >= 1, got 0\b"),
+        ({"watermark": 1.0}, r"\bwatermark must be in \[0, 1\), got 1\.0\b"),
+    ],
+    ids=["block_size", "num_gpu_blocks", "watermark"],
+)
+def test_part3_bad_configuration_error_names_the_argument_and_its_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BlockManager(**({"block_size": 4, "num_gpu_blocks": 4} | kwargs))
+
+
+def test_part3_default_manager_has_no_cpu_pool():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8)
+    assert bm.cpu_allocator.num_blocks == 0, (
+        "num_cpu_blocks defaults to 0: a manager built without it has a CPU pool of 0 blocks, "
+        f"got {bm.cpu_allocator.num_blocks}"
+    )
+
+
+def test_part3_each_pool_is_on_its_own_device():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=2)
+    assert bm.gpu_allocator.device is Device.GPU, (
+        f"gpu_allocator is BlockAllocator(Device.GPU, ...): got device {bm.gpu_allocator.device}"
+    )
+    assert bm.cpu_allocator.device is Device.CPU, (
+        f"cpu_allocator is BlockAllocator(Device.CPU, ...): got device {bm.cpu_allocator.device}"
+    )
+    devices = [block.device for block in bm.cpu_allocator.blocks]
+    assert devices == [Device.CPU, Device.CPU], (
+        f"the CPU pool's 2 blocks are CPU blocks: got devices {devices}"
+    )
+
+
+def test_part3_allocate_without_room_error_names_the_need_and_the_free_blocks():
+    bm = BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0)
+    bm.allocate(make_seq(1, 8, 4))
+    with pytest.raises(NoFreeBlocksError, match=r"\bsequence 2 needs 2 GPU blocks, 1 are free\b"):
+        bm.allocate(make_seq(2, 8, 4))
+
+
+def test_part3_wrong_device_error_says_where_the_blocks_are_and_where_they_must_be():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 5, 4)
+    message = r"\bsequence 1 has no blocks; this operation needs its blocks on the gpu\b"
+    with pytest.raises(ValueError, match=message):
+        bm.append_slot(seq)
+    bm.allocate(seq)
+    message = r"\bsequence 1 has its blocks on the gpu; this operation needs no blocks\b"
+    with pytest.raises(ValueError, match=message):
+        bm.allocate(seq)
+
+
+def test_part3_append_slot_without_a_free_block_error_names_the_sequence():
+    bm = BlockManager(block_size=4, num_gpu_blocks=1, watermark=0.0)
+    seq = make_seq(1, 4, 4)
+    bm.allocate(seq)
+    seq.append_token(1)  # token 5 opens a second block; the pool of 1 has none left
+    message = r"\bsequence 1 needs a GPU block and none is free\b"
+    with pytest.raises(NoFreeBlocksError, match=message):
+        bm.append_slot(seq)
+
+
+def test_part3_a_sequence_two_tokens_past_its_blocks_error_names_both_counts():
+    bm = BlockManager(block_size=2, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 2, 2)
+    bm.allocate(seq)
+    seq.append_token(1)
+    seq.append_token(2)
+    message = (
+        r"\bsequence 1 has 4 tokens but blocks for 2: "
+        r"append_slot must follow every appended token\b"
+    )
+    with pytest.raises(ValueError, match=message):
+        bm.append_slot(seq)
+
+
+def test_part3_freeing_a_sequence_without_blocks_error_names_it():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    message = r"\bfree: sequence 5 holds no blocks \(never allocated, or already freed\)"
+    with pytest.raises(ValueError, match=message):
+        bm.free(make_seq(5, 3, 4))
+
+
+def test_part3_slot_range_error_names_the_range_and_the_positions_with_slots():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 10, 4)
+    bm.allocate(seq)
+    message = (
+        r"\bslot range \[0, 11\) is outside the 10 positions sequence 1 has slots for "
+        r"\(10 tokens\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        bm.get_slot_mapping(seq, 0, 11)
+
+
+def test_part3_copy_on_write_with_exactly_one_free_block_succeeds():
+    bm = BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0)
+    parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    shared_last = parent.block_table[-1]
+    assert bm.num_free_gpu_blocks == 1, (
+        "the parent's 2 blocks of a pool of 3, shared by fork: expected 1 free, got "
+        f"{bm.num_free_gpu_blocks}"
+    )
+    parent.append_token(1)  # token 7 goes into the shared last block: a copy takes 1 block
+    assert bm.can_append_slot(parent), (
+        "a copy-on-write needs exactly 1 block and 1 is free: can_append_slot must be True"
+    )
+    copy = bm.append_slot(parent)
+    assert copy is not None and copy[0] == shared_last, (
+        f"the shared last block {shared_last} is copied on write: expected ({shared_last}, "
+        f"new block), got {copy}"
+    )
+    assert bm.num_free_gpu_blocks == 0, (
+        f"the copy takes the last free block: expected 0 free, got {bm.num_free_gpu_blocks}"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Part 1.4: Swapper (through the BlockManager's swap methods)
 # --------------------------------------------------------------------------------------------
@@ -1518,6 +1729,91 @@ def test_part4_freeing_a_swapped_sequence_releases_its_cpu_blocks():
     assert seq.block_table == [], f"free empties the block table, got {seq.block_table}"
     assert bm.device_of(seq) is None, (
         f"a freed sequence holds nothing: device_of expected None, got {bm.device_of(seq)}"
+    )
+
+
+def test_part4_an_empty_swap_group_error_says_so():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    with pytest.raises(ValueError, match=r"\ba swap needs at least one sequence\b"):
+        bm.swap_out([])
+
+
+def test_part4_a_group_listing_a_sequence_twice_error_says_so():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 5, 4)
+    bm.allocate(seq)
+    with pytest.raises(ValueError, match=r"\ba swap group lists a sequence twice\b"):
+        bm.can_swap_out([seq, seq])
+
+
+def test_part4_swapping_in_a_sequence_on_the_gpu_error_says_where_its_blocks_are():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 5, 4)
+    bm.allocate(seq)
+    message = (
+        r"\bsequence 1 has its blocks on the gpu; this operation needs its blocks on the cpu\b"
+    )
+    with pytest.raises(ValueError, match=message):
+        bm.swap_in([seq])
+
+
+def test_part4_swap_out_without_cpu_room_error_names_the_need_and_the_free_blocks():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=2, watermark=0.0)
+    seq = make_seq(1, 10, 4)  # 3 blocks
+    bm.allocate(seq)
+    with pytest.raises(NoFreeBlocksError, match=r"\bswap out needs 3 CPU blocks, 2 are free\b"):
+        bm.swap_out([seq])
+
+
+def test_part4_swap_in_below_the_watermark_error_names_the_need_the_watermark_and_the_free():
+    bm = BlockManager(block_size=1, num_gpu_blocks=100, num_cpu_blocks=50, watermark=0.1)
+    seq = make_seq(1, 40, 1)
+    bm.allocate(seq)
+    bm.swap_out([seq])
+    bm.allocate(make_seq(2, 51, 1))  # 49 GPU blocks free: 49 - 40 = 9 < watermark 10
+    message = r"\bswap in needs 40 GPU blocks plus a watermark of 10, 49 are free\b"
+    with pytest.raises(NoFreeBlocksError, match=message):
+        bm.swap_in([seq])
+
+
+def test_part4_a_sharer_left_out_error_names_the_block_and_both_counts():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    child.append_token(1)
+    bm.append_slot(child)  # copy on write: only the parent's first block is still shared
+    shared = parent.block_table[0]
+    message = (
+        rf"\bgpu block {shared} has ref_count 2 but the group holds it 1 time\(s\)"
+        r".*\bswap every sequence that shares it together\b"
+    )
+    with pytest.raises(ValueError, match=message):
+        bm.swap_out([parent])
+
+
+def test_part4_a_swapper_built_without_a_watermark_keeps_no_gpu_block_free():
+    gpu, cpu = BlockAllocator(Device.GPU, 2), BlockAllocator(Device.CPU, 2)
+    swapper = Swapper(gpu, cpu)
+    assert swapper.watermark_blocks == 0, (
+        f"watermark_blocks defaults to 0, got {swapper.watermark_blocks}"
+    )
+    seq = make_seq(1, 8, 4)
+    seq.block_table = [cpu.allocate().block_id, cpu.allocate().block_id]
+    assert swapper.can_swap_in([seq]), (
+        "without a watermark, 2 CPU blocks fit the 2 free GPU blocks: can_swap_in must be True"
+    )
+
+
+def test_part4_a_swapped_out_sequence_holds_cpu_blocks():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 10, 4)
+    bm.allocate(seq)
+    bm.swap_out([seq])
+    devices = [bm.cpu_allocator.blocks[block_id].device for block_id in seq.block_table]
+    assert devices == [Device.CPU] * 3, (
+        f"swap_out moves the 3 blocks into the CPU pool, whose blocks are CPU blocks: got "
+        f"devices {devices}"
     )
 
 
@@ -1936,3 +2232,39 @@ def test_part5_matches_a_sorted_list_model(ops):
             f"len(evictor) is the number of held blocks: expected {len(model)} (blocks "
             f"{sorted(model)}), got {len(evictor)}"
         )
+
+
+def test_part5_adding_a_block_in_use_error_names_its_ref_count():
+    in_use = cached(0, 1.0)
+    in_use.ref_count = 1
+    message = r"\bblock 0 has ref_count 1: only free blocks can be cached\b"
+    with pytest.raises(ValueError, match=message):
+        Evictor().add(in_use)
+
+
+def test_part5_adding_a_block_without_a_content_hash_error_names_it():
+    with pytest.raises(ValueError, match=r"\bblock 1 has no content hash: nothing to cache\b"):
+        Evictor().add(Block(1, Device.GPU))
+
+
+def test_part5_adding_a_held_block_again_error_names_it():
+    evictor = Evictor()
+    block = cached(2, 1.0)
+    evictor.add(block)
+    with pytest.raises(ValueError, match=r"\bblock 2 is already in the evictor\b"):
+        evictor.add(block)
+
+
+def test_part5_an_unknown_block_id_error_names_it():
+    evictor = Evictor()
+    evictor.add(cached(0, 1.0))
+    with pytest.raises(ValueError, match=r"\bblock 7 is not in the evictor\b"):
+        evictor.remove(7)
+    with pytest.raises(ValueError, match=r"\bblock 7 is not in the evictor\b"):
+        evictor.update(7, 2.0)
+
+
+def test_part5_evict_on_an_empty_evictor_error_says_so():
+    message = r"\bevict\(\) on an empty evictor: no cached block to give up\b"
+    with pytest.raises(ValueError, match=message):
+        Evictor().evict()

@@ -1610,7 +1610,7 @@ def test_part5_prefill_chunks_go_oldest_first_and_stop_when_the_budget_is_spent(
     )
 
 
-def test_part5_with_chunked_prefill_swapped_sequences_still_come_first():
+def test_part4_with_chunked_prefill_swapped_sequences_still_come_first():
     s = chunked(
         num_gpu_blocks=5, num_cpu_blocks=8, preemption_mode="swap", max_num_batched_tokens=32
     )

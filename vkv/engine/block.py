@@ -65,7 +65,8 @@ class BlockAllocator:
     """Hands out and takes back the ``num_blocks`` blocks of one device, in O(1).
 
     ``blocks[i]`` is the block whose ``block_id`` is ``i``. The allocator never creates or
-    destroys blocks after construction. Raises ``ValueError`` for a negative ``num_blocks``.
+    destroys blocks after construction. Raises ``ValueError`` for a negative ``num_blocks``;
+    for ``num_blocks = -1`` the message is "num_blocks must be >= 0, got -1".
     """
 
     def __init__(self, device: Device, num_blocks: int) -> None:
@@ -96,7 +97,9 @@ class BlockAllocator:
         """Take a free block and return it with ``ref_count == 1``.
 
         Draws from the free list first; only when it is empty evicts a cached block (whose
-        content record is then cleared). Raises ``NoFreeBlocksError`` when the pool is exhausted.
+        content record is then cleared). Raises ``NoFreeBlocksError`` when the pool is exhausted,
+        with a message that names the device and the pool's size; for a GPU pool of 2 it is
+        "the gpu pool has no free block: all 2 are in use".
         """
         ### BEGIN SOLUTION part1.2
         if self._free_block_ids:
@@ -116,7 +119,9 @@ class BlockAllocator:
     def share(self, block: Block) -> None:
         """Add one holder to a block that is in use (``ref_count += 1``).
 
-        Raises ``ValueError`` if the block is not of this pool or is free.
+        Raises ``ValueError`` if the block is not of this pool (``_check_owned``) or is free;
+        for block 0 of a GPU pool the message is then
+        "gpu block 0 is free: allocate it, do not share it".
         """
         ### BEGIN SOLUTION part1.2
         self._check_owned(block)
@@ -130,8 +135,10 @@ class BlockAllocator:
     def free(self, block: Block) -> None:
         """Drop one holder; at ``ref_count == 0`` the block becomes free (see the module doc).
 
-        Raises ``ValueError`` for a block of another pool and ``DoubleFreeError`` for a block
-        that is already free; the pool is unchanged in both cases.
+        Raises ``ValueError`` for a block of another pool (``_check_owned``) and
+        ``DoubleFreeError`` for a block that is already free; the pool is unchanged in both
+        cases. The double free's message names the device and the block; for block 3 of a GPU
+        pool it is "double free: gpu block 3 is already free".
         """
         ### BEGIN SOLUTION part1.2
         self._check_owned(block)
@@ -152,7 +159,11 @@ class BlockAllocator:
         """Take back a cached block by id, keeping its content (a prefix-cache hit).
 
         A free block leaves the evictor with ``ref_count == 1``; a block in use gains a holder.
-        Raises ``ValueError`` for an id outside the pool or a free block that holds no content.
+        Raises ``ValueError`` for an id outside the pool, with a message that names the id and
+        the valid range; for id 5 and a GPU pool of 2 it is
+        "block id 5 is outside the gpu pool (0..1)".
+        Raises ``ValueError`` for a free block that holds no content; for block 0 of a GPU pool
+        the message is "gpu block 0 is free and holds no cached content".
         """
         ### BEGIN SOLUTION part1.2
         if not 0 <= block_id < self.num_blocks:
@@ -174,7 +185,15 @@ class BlockAllocator:
         ### END SOLUTION
 
     def _check_owned(self, block: Block) -> None:
-        """Raise ``ValueError`` unless ``block`` is one of this pool's blocks."""
+        """Raise ``ValueError`` unless ``block`` is one of this pool's blocks.
+
+        A block of another device, an id outside the pool (negative, or ``num_blocks`` and up)
+        and a block object that is not ``blocks[block_id]`` are all foreign. The message names
+        the block's device and id, then this pool's device and size. Given to a GPU pool of 4
+        blocks, a CPU block 0 and a GPU block 4 give
+        "cpu block 0 does not belong to this gpu pool of 4 blocks" and
+        "gpu block 4 does not belong to this gpu pool of 4 blocks".
+        """
         ### BEGIN SOLUTION part1.2
         owned = (
             block.device is self.device

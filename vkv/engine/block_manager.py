@@ -79,8 +79,16 @@ class BlockManager:
     - ``swapper``: ``Swapper(gpu_allocator, cpu_allocator, watermark_blocks)`` (part 1.4).
     - ``_device_of``: sequence id -> the Device holding its blocks, for sequences holding any.
 
+    By default there is no CPU pool (``num_cpu_blocks = 0``: nothing can be swapped out) and the
+    watermark is 1 % of the GPU pool (``watermark = 0.01``).
+
     Raises ``ValueError`` for a block size that is not a positive integer (``True`` and ``2.0``
-    are not), a GPU pool below 1, a negative CPU pool, or a watermark outside ``[0, 1)``.
+    are not), a GPU pool below 1, a negative CPU pool (``BlockAllocator``'s error), or a
+    watermark outside ``[0, 1)``. The message names the argument and its value; for
+    ``block_size = 0``, ``num_gpu_blocks = 0`` and ``watermark = 1.0`` it is
+    "block_size must be a positive integer, got 0",
+    "num_gpu_blocks must be >= 1, got 0",
+    "watermark must be in [0, 1), got 1.0".
     """
 
     def __init__(
@@ -166,9 +174,11 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give a sequence that holds no blocks ``seq.num_blocks`` new GPU blocks.
 
-        Raises ``ValueError`` if it already holds blocks or if its block size is not the
-        manager's (``_require_block_size``), and ``NoFreeBlocksError`` if the free GPU blocks
-        are too few (the watermark is ``can_allocate``'s business, not this one's).
+        Raises ``ValueError`` if it already holds blocks (``_require_device``) or if its block
+        size is not the manager's (``_require_block_size``), and ``NoFreeBlocksError`` if the
+        free GPU blocks are too few (the watermark is ``can_allocate``'s business, not this
+        one's). That message names the sequence, its need and the free blocks; for sequence 2
+        of 2 blocks with 1 free it is "sequence 2 needs 2 GPU blocks, 1 are free".
         """
         ### BEGIN SOLUTION part1.3
         self._require_device(seq, None)
@@ -193,8 +203,10 @@ class BlockManager:
         """Make room for the sequence's newest token (the append rule in the module docstring).
 
         Returns ``(src, dst)`` when the shared last block was copied on write, else None.
-        Raises ``ValueError`` if the sequence is not on the GPU or is more than one token past
-        its blocks, and ``NoFreeBlocksError`` if a block is needed and none is free.
+        Raises ``ValueError`` if the sequence is not on the GPU (``_require_device``) or is more
+        than one token past its blocks (``_blocks_to_append``), and ``NoFreeBlocksError`` if a
+        block is needed and none is free; for sequence 1 that message is
+        "sequence 1 needs a GPU block and none is free".
         """
         ### BEGIN SOLUTION part1.3
         self._require_device(seq, Device.GPU)
@@ -232,7 +244,9 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release every block the sequence holds; empty its table.
 
-        Raises ``ValueError`` if the sequence holds no blocks (never allocated, or freed twice).
+        Raises ``ValueError`` if the sequence holds no blocks (never allocated, or freed twice);
+        for sequence 5 the message is
+        "free: sequence 5 holds no blocks (never allocated, or already freed)".
         """
         ### BEGIN SOLUTION part1.3
         device = self._device_of.get(seq.seq_id)
@@ -257,8 +271,11 @@ class BlockManager:
         """The physical slot of each token position in ``[start, end)``.
 
         ``slot = block_table[pos // block_size] * block_size + pos % block_size``. Raises
-        ``ValueError`` unless the sequence is on the GPU, ``0 <= start <= end <= num_tokens`` and
-        its blocks cover ``end`` (a token appended but not yet given a slot has none).
+        ``ValueError`` unless the sequence is on the GPU (``_require_device``),
+        ``0 <= start <= end <= num_tokens`` and its blocks cover ``end`` (a token appended but
+        not yet given a slot has none). The range error names the range, the positions that
+        have slots, the sequence and its tokens; for ``[0, 11)`` of sequence 1, of 10 tokens:
+        "slot range [0, 11) is outside the 10 positions sequence 1 has slots for (10 tokens)".
         """
         ### BEGIN SOLUTION part1.3
         self._require_device(seq, Device.GPU)
@@ -276,7 +293,8 @@ class BlockManager:
         """Whether the group's GPU blocks fit in the free CPU blocks.
 
         Raises ``ValueError`` unless the group is non-empty, lists no sequence twice and is on
-        the GPU (``_require_group_on``; so do ``swap_out``, ``can_swap_in`` and ``swap_in``).
+        the GPU (``_require_group_on``, whose docstring gives the messages; so do ``swap_out``,
+        ``can_swap_in`` and ``swap_in``).
         """
         ### BEGIN SOLUTION part1.4
         self._require_group_on(seqs, Device.GPU)
@@ -324,7 +342,12 @@ class BlockManager:
         ### END SOLUTION
 
     def _require_group_on(self, seqs: list[Sequence], device: Device) -> None:
-        """Raise ``ValueError`` unless the group is non-empty, has no repeats, is on ``device``."""
+        """Raise ``ValueError`` unless the group is non-empty, has no repeats, is on ``device``.
+
+        The messages: "a swap needs at least one sequence" for an empty group,
+        "a swap group lists a sequence twice" for a repeat, and ``_require_device``'s for a
+        sequence that is not on ``device``.
+        """
         ### BEGIN SOLUTION part1.4
         if not seqs:
             raise ValueError("a swap needs at least one sequence")
@@ -335,7 +358,14 @@ class BlockManager:
         ### END SOLUTION
 
     def _require_device(self, seq: Sequence, device: Device | None) -> None:
-        """Raise ``ValueError`` unless the sequence's blocks are on ``device`` (None: no blocks)."""
+        """Raise ``ValueError`` unless the sequence's blocks are on ``device`` (None: no blocks).
+
+        The message names the sequence, where its blocks are and where the operation needs
+        them, each as "no blocks" or "its blocks on the gpu" (or "cpu"); for sequence 1:
+        "sequence 1 has no blocks; this operation needs its blocks on the gpu",
+        "sequence 1 has its blocks on the gpu; this operation needs no blocks",
+        "sequence 1 has its blocks on the gpu; this operation needs its blocks on the cpu".
+        """
         ### BEGIN SOLUTION part1.3
         actual = self._device_of.get(seq.seq_id)
         if actual is device:
@@ -359,7 +389,13 @@ class BlockManager:
         ### END SOLUTION
 
     def _blocks_to_append(self, seq: Sequence) -> int:
-        """GPU blocks ``append_slot`` would allocate: 1 for a new or copied block, else 0."""
+        """GPU blocks ``append_slot`` would allocate: 1 for a new or copied block, else 0.
+
+        Raises ``ValueError`` for a sequence more than one token past its blocks; the message
+        names the sequence, its tokens and the tokens its blocks hold; for sequence 1, of 4
+        tokens in blocks for 2:
+        "sequence 1 has 4 tokens but blocks for 2: append_slot must follow every appended token".
+        """
         ### BEGIN SOLUTION part1.3
         capacity = len(seq.block_table) * self.block_size
         if seq.num_tokens > capacity + 1:

@@ -58,7 +58,12 @@ class Evictor:
     def add(self, block: Block) -> None:
         """Hold a free block that has a content hash.
 
-        Raises ``ValueError`` if the block is in use, has no content hash, or is already held.
+        Raises ``ValueError`` if the block is in use, has no content hash, or is already held;
+        the message names the block and the reason, for block 0 with ``ref_count`` 1, block 1
+        without a hash and a held block 2:
+        "block 0 has ref_count 1: only free blocks can be cached",
+        "block 1 has no content hash: nothing to cache",
+        "block 2 is already in the evictor".
         """
         ### BEGIN SOLUTION part1.5
         if block.ref_count != 0:
@@ -75,7 +80,11 @@ class Evictor:
         ### END SOLUTION
 
     def remove(self, block_id: int) -> Block:
-        """Take a held block out (for reuse) and return it."""
+        """Take a held block out (for reuse) and return it.
+
+        Raises ``ValueError`` for an id it does not hold (``_held``); for id 7 the message is
+        "block 7 is not in the evictor".
+        """
         ### BEGIN SOLUTION part1.5
         block = self._held(block_id)
         del self._blocks[block_id], self._keys[block_id]
@@ -83,7 +92,11 @@ class Evictor:
         ### END SOLUTION
 
     def update(self, block_id: int, last_accessed: float) -> None:
-        """Set a held block's access time, which moves it in the eviction order."""
+        """Set a held block's access time, which moves it in the eviction order.
+
+        Raises ``ValueError`` for an id it does not hold (``_held``); for id 7 the message is
+        "block 7 is not in the evictor".
+        """
         ### BEGIN SOLUTION part1.5
         block = self._held(block_id)
         block.last_accessed = last_accessed
@@ -91,7 +104,11 @@ class Evictor:
         ### END SOLUTION
 
     def evict(self) -> Block:
-        """Remove and return the block with the smallest key (see the module docstring)."""
+        """Remove and return the block with the smallest key (see the module docstring).
+
+        Raises ``ValueError`` on an empty evictor, with the message
+        "evict() on an empty evictor: no cached block to give up".
+        """
         ### BEGIN SOLUTION part1.5
         while self._heap:
             key = heapq.heappop(self._heap)
@@ -101,7 +118,10 @@ class Evictor:
         ### END SOLUTION
 
     def _held(self, block_id: int) -> Block:
-        """The held block with this id; ``ValueError`` if there is none."""
+        """The held block with this id; ``ValueError`` if there is none.
+
+        The message names the id; for id 7 it is "block 7 is not in the evictor".
+        """
         ### BEGIN SOLUTION part1.5
         if block_id not in self._blocks:
             raise ValueError(f"block {block_id} is not in the evictor")

@@ -59,15 +59,18 @@ class Sequence:
     - ``block_size``: tokens per block.
     - ``block_table``: ``[]``, physical block ids, filled by the BlockManager.
     - ``sampling_params``: the given ones, or ``SamplingParams()``.
-    - ``arrival_time``: when the request arrived (the scheduler serves oldest first).
+    - ``arrival_time``: when the request arrived (the scheduler serves oldest first); 0.0 by
+      default.
 
     Set for you after your code, and kept up to date by the scheduler (Phase 2):
     ``num_computed_tokens = 0``, the number of leading tokens whose K/V are in the cache, and
     ``is_prefill = True``, whether the sequence is in its prefill: from its admission (or its
     re-admission after a preemption by recompute) until every token it had then is computed.
 
-    Raises ``ValueError`` for an empty prompt, or for a ``block_size`` that is not a positive
-    integer (``True`` and ``2.0`` are not; the message names ``block_size``).
+    Raises ``ValueError`` for a ``block_size`` that is not a positive integer (``True`` and
+    ``2.0`` are not; the message names ``block_size``), or for an empty prompt, with a message
+    that names the sequence; for sequence 3 it is
+    "sequence 3: the prompt must hold at least one token".
     """
 
     def __init__(
@@ -162,7 +165,9 @@ class Sequence:
     def block(self, i: int) -> list[int]:
         """The token ids of logical block ``i`` (a copy), for ``0 <= i < num_blocks``.
 
-        Raises ``IndexError`` naming the valid range for any other ``i``, negative ones included.
+        Raises ``IndexError`` naming the valid range for any other ``i``, negative ones
+        included; for sequence 0, of 2 logical blocks, and ``i = 2`` the message is
+        "sequence 0 has logical blocks 0..1, block 2 does not exist".
         """
         ### BEGIN SOLUTION part1.1
         if not 0 <= i < self.num_blocks:
@@ -176,7 +181,9 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Append one generated token.
 
-        Raises ``ValueError`` if the sequence is finished; it is left unchanged.
+        Raises ``ValueError`` if the sequence is finished; it is left unchanged. The message
+        names the sequence and its status, for sequence 3 in FINISHED_STOPPED:
+        "sequence 3 is FINISHED_STOPPED: a finished sequence takes no tokens".
         """
         ### BEGIN SOLUTION part1.1
         if self.is_finished:

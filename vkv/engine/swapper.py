@@ -38,7 +38,11 @@ if TYPE_CHECKING:
 
 
 class Swapper:
-    """Moves groups of sequences between ``gpu_allocator`` and ``cpu_allocator``."""
+    """Moves groups of sequences between ``gpu_allocator`` and ``cpu_allocator``.
+
+    ``watermark_blocks`` (0 by default) is how many GPU blocks a swap-in must leave free; the
+    BlockManager passes its own.
+    """
 
     def __init__(
         self,
@@ -72,7 +76,9 @@ class Swapper:
         """Move the group's blocks from GPU to CPU; return ``{gpu_block_id: cpu_block_id}``.
 
         Raises ``NoFreeBlocksError`` if the CPU pool is too small, ``ValueError`` if a block is
-        also held outside the group; nothing changes then.
+        also held outside the group (``_move``); nothing changes then. The first names the
+        blocks needed and free; for 3 blocks and 2 free CPU blocks it is
+        "swap out needs 3 CPU blocks, 2 are free".
         """
         ### BEGIN SOLUTION part1.4
         if not self.can_swap_out(seqs):
@@ -87,7 +93,10 @@ class Swapper:
         """Move the group's blocks from CPU to GPU; return ``{cpu_block_id: gpu_block_id}``.
 
         Raises ``NoFreeBlocksError`` if ``can_swap_in`` is false, ``ValueError`` if a block is
-        also held outside the group; nothing changes then.
+        also held outside the group (``_move``); nothing changes then. The first names the
+        blocks needed, the watermark and the free blocks; for 40 blocks, a watermark of 10 and
+        49 free GPU blocks it is
+        "swap in needs 40 GPU blocks plus a watermark of 10, 49 are free".
         """
         ### BEGIN SOLUTION part1.4
         if not self.can_swap_in(seqs):
@@ -114,7 +123,11 @@ def _move(seqs: list[Sequence], src: BlockAllocator, dst: BlockAllocator) -> dic
     """Copy each distinct block once from ``src`` to ``dst``, rewrite the tables, free ``src``.
 
     The caller has checked that ``dst`` has room; this checks the group is closed under sharing
-    before changing anything.
+    before changing anything, and raises ``ValueError`` if it is not. The message names the
+    block, its ``ref_count`` and how many of the group's tables hold it, then says what to do;
+    for GPU block 0 of ``ref_count`` 2 held by one table of the group it begins
+    "gpu block 0 has ref_count 2 but the group holds it 1 time(s)" and ends
+    "swap every sequence that shares it together".
     """
     ### BEGIN SOLUTION part1.4
     holders = _distinct_block_ids(seqs)
