@@ -939,6 +939,23 @@ def test_part3_fork_shares_every_block_without_allocating():
     )
 
 
+def test_part3_copy_on_write_replaces_the_last_block_of_a_longer_table():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 10, 4), make_seq(2, 10, 4)  # 3 blocks, the last half full
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    table = list(parent.block_table)
+    parent.append_token(1)
+    src, dst = bm.append_slot(parent)
+    assert src == table[2], (
+        f"the block copied is the last one (logical block 2, {table[2]}), got {src}"
+    )
+    assert parent.block_table == [table[0], table[1], dst], (
+        f"only the last entry of the table changes: expected {[table[0], table[1], dst]}, got "
+        f"{parent.block_table}"
+    )
+
+
 def test_part3_append_into_a_shared_last_block_copies_on_write():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
     parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
