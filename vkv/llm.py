@@ -26,10 +26,26 @@ class LLM:
         ``finish_reason`` is ``stop`` (EOS), ``length`` (``max_tokens`` or ``max_model_len``),
         or ``ignored``: the request could never fit the KV cache (its prompt, or the tokens it
         grew to, need more blocks than the pool has); its text is what it generated until then.
+
+        ``sampling_params`` is one ``SamplingParams`` for all (None: the defaults) or a list of
+        one per prompt. Raises ``ValueError`` for a single string (pass ``[prompt]``), a list
+        of params of another length, or any prompt ``LLMEngine.check_request`` refuses: the
+        whole batch is checked first, so on an error nothing of it is queued.
         """
+        if isinstance(prompts, str):
+            raise ValueError("prompts is a list of prompts: for one prompt, pass [prompt]")
+        prompts = list(prompts)
         if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, s) for p, s in zip(prompts, sampling_params, strict=True)]
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"{len(sampling_params)} sampling params for {len(prompts)} prompts: give one "
+                "SamplingParams for all, or one per prompt"
+            )
+        batch = list(zip(prompts, sampling_params, strict=True))
+        for prompt, params in batch:  # the whole batch, before any of it is queued
+            self.engine.check_request(prompt, params)
+        ids = [self.engine.add_request(prompt, params) for prompt, params in batch]
         results: dict[int, dict] = {}
         with Progress(disable=not use_progress, transient=True) as progress:
             task = progress.add_task("generating", total=len(ids))

@@ -1,10 +1,16 @@
 """SamplingParams: how one request chooses its next tokens and when it stops.
 
 Validated at construction, so a bad option fails when the request is made, with a message
-naming the option and what is allowed, and never later inside a running batch.
+naming the option and what is allowed, and never later inside a running batch: types too (a
+``max_tokens`` of 2.5, a NaN or infinite temperature, a seed of 1.5 or 2**64 are refused, as is
+``True`` for a number).
 """
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
+
+MAX_SEED = 2**63  # a torch.Generator seed is a 64-bit signed integer
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,16 +33,38 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
+        _require(_is_real(self.temperature), "temperature", "a finite number", self.temperature)
+        if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        _require(_is_int(self.top_k), "top_k", "an integer", self.top_k)
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k must be -1 (all tokens) or >= 1, got {self.top_k}")
+        _require(_is_real(self.top_p), "top_p", "a finite number", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _require(_is_int(self.max_tokens), "max_tokens", "an integer", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "True or False", self.ignore_eos)
+        if self.seed is not None:
+            _require(_is_int(self.seed), "seed", "an integer or None", self.seed)
+            if not 0 <= self.seed < MAX_SEED:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         """Whether sampling reduces to argmax."""
         return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

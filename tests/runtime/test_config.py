@@ -58,3 +58,29 @@ def test_bad_sampling_params_name_themselves(options, message):
 def test_greedy_is_temperature_zero():
     assert SamplingParams(temperature=0.0).greedy
     assert not SamplingParams().greedy
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"seed": 2**63}, r"seed must be in \[0, 2\*\*63\)"),
+        ({"seed": -1}, r"seed must be in \[0, 2\*\*63\)"),
+        ({"seed": True}, "seed must be an integer"),
+        ({"max_tokens": 2.5}, "max_tokens must be an integer"),
+        ({"max_tokens": float("nan")}, "max_tokens must be an integer"),
+        ({"max_tokens": True}, "max_tokens must be an integer"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"top_p": float("nan")}, "top_p must be a finite number"),
+        ({"top_k": 2.0}, "top_k must be an integer"),
+        ({"ignore_eos": "yes"}, "ignore_eos must be True or False"),
+    ],
+)
+def test_sampling_params_refuse_wrong_types_and_non_finite_values(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)
+
+
+def test_the_largest_seed_is_accepted():
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1

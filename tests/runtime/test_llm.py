@@ -153,3 +153,38 @@ def test_generate_returns_when_a_request_outgrows_the_pool(checkpoint):
         use_progress=False,
     )
     assert short["finish_reason"] == "length" and long["finish_reason"] == "ignored"
+
+
+@pytest.mark.parametrize("prompt", [[65.7], [True], b"not a list", [[1, 2]], None], ids=repr)
+def test_a_prompt_that_is_not_token_ids_is_refused(checkpoint, prompt):
+    folder, _, _ = checkpoint
+    engine = LLMEngine(folder, block_size=4, kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="a prompt is text or a list of integer token ids"):
+        engine.add_request(prompt)
+    assert engine.scheduler.num_unfinished == 0
+
+
+def test_a_bad_batch_queues_nothing_and_the_engine_serves_the_next_one(checkpoint):
+    folder, _, _ = checkpoint
+    llm = LLM(folder, block_size=4, kv_cache_bytes=1 << 20)
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(ValueError, match="for one prompt, pass"):
+        llm.generate("abc", greedy, use_progress=False)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.generate(["def", "return n", ""], greedy, use_progress=False)
+    with pytest.raises(ValueError, match="1 sampling params for 2 prompts"):
+        llm.generate(["def", "return n"], [greedy], use_progress=False)
+    with pytest.raises(ValueError, match="must be a SamplingParams"):
+        llm.generate(["def"], [{"temperature": 0.0}], use_progress=False)
+    assert llm.engine.scheduler.num_unfinished == 0, "a refused batch leaves nothing queued"
+    (output,) = llm.generate(["def"], greedy, use_progress=False)
+    assert len(output["token_ids"]) == 2 and output["finish_reason"] == "length"
+
+
+def test_a_large_seed_samples_without_overflow(checkpoint):
+    folder, _, _ = checkpoint
+    llm = LLM(folder, block_size=4, kv_cache_bytes=1 << 20)
+    params = SamplingParams(temperature=1.0, max_tokens=3, seed=2**45, ignore_eos=True)
+    first = llm.generate(["def"], params, use_progress=False)
+    again = llm.generate(["def"], params, use_progress=False)
+    assert first == again and len(first[0]["token_ids"]) == 3, "seeded sampling repeats itself"

@@ -10,6 +10,7 @@ empty prompt, one longer than ``max_model_len``, text without a tokenizer) raise
 import sys
 import time
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 import torch
@@ -119,11 +120,38 @@ class LLMEngine:
         self.stats: dict[str, float] = {}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Queue a prompt (text, or token ids); return its request id."""
+        """Queue a prompt (text, or token ids); return its request id.
+
+        Raises ``ValueError`` and queues nothing for a prompt ``check_request`` refuses.
+        """
+        token_ids, params = self.check_request(prompt, params)
+        request_id = self._next_id
+        seq = Sequence(request_id, token_ids, self.config.block_size, params, time.monotonic())
+        self.scheduler.add(seq)
+        self._next_id += 1
+        self._requests[request_id] = seq
+        self._streamed[request_id] = (0, "")
+        return request_id
+
+    def check_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and its params, as ``add_request`` would queue them.
+
+        Raises ``ValueError`` for params that are not a ``SamplingParams``, a prompt that is
+        neither text nor a list of integer token ids (``True`` and ``65.7`` are not token ids),
+        an empty prompt, one longer than ``max_model_len``, or an id outside the vocabulary.
+        Queues nothing: ``LLM.generate`` checks a whole batch before adding any of it.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {params!r}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids")
             prompt = self.tokenizer.encode(prompt).ids
+        if not isinstance(prompt, list | tuple) or not all(map(_is_token_id, prompt)):
+            raise ValueError(f"a prompt is text or a list of integer token ids, got {prompt!r}")
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.config.max_model_len:
@@ -133,13 +161,7 @@ class LLMEngine:
             )
         if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
             raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
-        request_id = self._next_id
-        seq = Sequence(request_id, list(prompt), self.config.block_size, params, time.monotonic())
-        self.scheduler.add(seq)
-        self._next_id += 1
-        self._requests[request_id] = seq
-        self._streamed[request_id] = (0, "")
-        return request_id
+        return [int(t) for t in prompt], params
 
     def sequence(self, request_id: int) -> Sequence:
         """The request's sequence: tokens, status and block table, as the scheduler sees them."""
@@ -200,3 +222,7 @@ class LLMEngine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)

@@ -18,7 +18,7 @@ from vkv.engine.block_manager import BlockManager
 from vkv.engine.cache_engine import CacheEngine
 from vkv.engine.scheduler import SchedulerOutput
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
-from vkv.sampling_params import SamplingParams
+from vkv.sampling_params import MAX_SEED, SamplingParams
 
 
 class ModelRunner:
@@ -113,5 +113,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
         probs = probs.scatter(0, order, ordered.masked_fill(drop, 0.0))
     generator = None
     if params.seed is not None:
-        generator = torch.Generator(device=probs.device).manual_seed(params.seed * 1_000_003 + step)
+        seed = (params.seed * 1_000_003 + step) % MAX_SEED
+        generator = torch.Generator(device=probs.device).manual_seed(seed)
     return int(torch.multinomial(probs, 1, generator=generator))
