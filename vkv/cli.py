@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args, console)
     except (FileNotFoundError, FileExistsError, KeyError, ValueError, RuntimeError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
         return 2
 
 
@@ -64,14 +64,6 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
     from vkv.llm import LLM
     from vkv.sampling_params import SamplingParams
 
-    llm = LLM(
-        args.model,
-        block_size=args.block_size,
-        kv_cache_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
-        gpu_memory_fraction=args.gpu_memory_fraction,
-        max_model_len=args.max_model_len,
-        backend=args.backend,
-    )
     params = [
         SamplingParams(
             temperature=args.temperature,
@@ -82,6 +74,14 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         )
         for i in range(len(args.prompts))
     ]
+    llm = LLM(
+        args.model,
+        block_size=args.block_size,
+        kv_cache_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        max_model_len=args.max_model_len,
+        backend=args.backend,
+    )
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
         console.print(output["text"], markup=False, highlight=False)

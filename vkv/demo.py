@@ -82,6 +82,8 @@ def run_demo(
     """Serve ``requests`` prompts and show each step; return what happened."""
     if requests < 1:
         raise ValueError(f"the demo needs at least one request, got {requests}")
+    if max_tokens < 1:
+        raise ValueError(f"the longest completion (--max-tokens) must be >= 1, got {max_tokens}")
     engine = LLMEngine(
         model,
         block_size=block_size,

@@ -56,7 +56,7 @@ def test_edition_has_the_student_readme_and_says_it_is_the_student_edition(editi
 def test_the_edition_refuses_what_needs_the_reference(edition, tmp_path, argv, capsys):
     args = [a.format(edition=edition, out=tmp_path / "out") for a in argv]
     assert main([*args, "--root", str(edition)]) == 2
-    said = " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().err.split())
     assert "is a student edition" in said and "pass --root" in said, said
     assert not (tmp_path / "out").exists()
 

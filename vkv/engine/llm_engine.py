@@ -7,6 +7,7 @@ empty prompt, one longer than ``max_model_len``, text without a tokenizer) raise
 ``add_request`` and leaves the other requests and the block accounting as they were.
 """
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from vkv.models.loader import load_checkpoint
 from vkv.sampling_params import SamplingParams
 
 CPU_KV_BYTES = 256 << 20
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 INCOMPLETE_CHARACTER = "\ufffd"  # what a decoder makes of a UTF-8 character cut short
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -71,11 +73,20 @@ class LLMEngine:
         backend: str | None = None,
         device: str | None = None,
     ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if not 0.0 < gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         backend = backend or ("triton" if self.device.type == "cuda" else "torch")
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend must be torch or triton, got {backend!r}")
+        if backend == "triton" and self.device.type != "cuda" and not TRITON_INTERPRETED:
+            raise ValueError(
+                "the triton backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
+                "(Triton's interpreter, for tests); on a CPU use --backend torch"
+            )
         if backend == "triton":
             from vkv.kernels import triton_attention as kernels
         else:
@@ -138,9 +149,10 @@ class LLMEngine:
     ) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and its params, as ``add_request`` would queue them.
 
-        Raises ``ValueError`` for params that are not a ``SamplingParams``, a prompt that is
-        neither text nor a list of integer token ids (``True`` and ``65.7`` are not token ids),
-        an empty prompt, one longer than ``max_model_len``, or an id outside the vocabulary.
+        Raises ``ValueError`` for params that are not a ``SamplingParams``, text that is not
+        valid UTF-8, a prompt that is neither text nor a list of integer token ids (``True``
+        and ``65.7`` are not token ids), an empty prompt, one longer than ``max_model_len``, or
+        an id outside the vocabulary.
         Queues nothing: ``LLM.generate`` checks a whole batch before adding any of it.
         """
         params = SamplingParams() if params is None else params
@@ -149,6 +161,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids")
+            if not prompt.isascii() and _not_utf8(prompt):
+                raise ValueError(f"the prompt is not valid UTF-8 text: {prompt!r}")
             prompt = self.tokenizer.encode(prompt).ids
         if not isinstance(prompt, list | tuple) or not all(map(_is_token_id, prompt)):
             raise ValueError(f"a prompt is text or a list of integer token ids, got {prompt!r}")
@@ -226,3 +240,12 @@ class LLMEngine:
 
 def _is_token_id(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _not_utf8(text: str) -> bool:
+    """Whether ``text`` holds characters UTF-8 cannot encode (bytes a shell passed undecoded)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
