@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from vkv.assignment.parts import MANIFEST, Assignment
 
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args, console)
     except (FileNotFoundError, FileExistsError, KeyError, ValueError, RuntimeError) as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
+        error = Console(stderr=True, soft_wrap=True)  # one line, whatever its length
+        error.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         return 2
 
 

@@ -1,10 +1,15 @@
 """LLM / LLMEngine on a checkpoint folder on disk (config.json, safetensors, tokenizer.json)."""
 
+import json
+import shutil
+
 import pytest
+from safetensors.torch import load_file, save_file
 from tiny_checkpoints import greedy_by_recompute, tiny_hf_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from vkv import LLM, SamplingParams
+from vkv.cli import main
 from vkv.engine.llm_engine import LLMEngine
 
 TEXT = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"] * 4
@@ -89,8 +94,6 @@ def test_unknown_path_and_unsupported_architecture(tmp_path):
 
 
 def test_vkv_generate_command(checkpoint, capsys):
-    from vkv.cli import main
-
     folder, hf, tokenizer = checkpoint
     code = main(
         [
@@ -188,3 +191,63 @@ def test_a_large_seed_samples_without_overflow(checkpoint):
     first = llm.generate(["def"], params, use_progress=False)
     again = llm.generate(["def"], params, use_progress=False)
     assert first == again and len(first[0]["token_ids"]) == 3, "seeded sampling repeats itself"
+
+
+def corrupted_copy(folder, tmp_path, name, damage):
+    """A copy of the checkpoint ``folder`` with ``damage(path)`` applied to its file ``name``."""
+    copy = tmp_path / "broken"
+    shutil.copytree(folder, copy)
+    damage(copy / name)
+    return copy
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def garble(path):
+    path.write_bytes(b"\x00\xff garbage " * 20)
+
+
+def drop_key(path):
+    config = json.loads(path.read_text())
+    del config["num_attention_heads"]
+    path.write_text(json.dumps(config))
+
+
+def poison(path):
+    weights = load_file(path)
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, path)
+
+
+def reshape(path):
+    weights = load_file(path)
+    weights["model.norm.weight"] = weights["model.norm.weight"][:-1].clone()
+    save_file(weights, path)
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "said"),
+    [
+        ("model.safetensors", truncate, "model.safetensors is not a safetensors file"),
+        ("model.safetensors", garble, "model.safetensors is not a safetensors file"),
+        ("model.safetensors", poison, "tensor model.norm.weight holds NaN or infinite values"),
+        ("model.safetensors", reshape, "wrong shape ['model.norm.weight"),
+        ("config.json", drop_key, "config.json lacks the key 'num_attention_heads'"),
+        ("config.json", garble, "config.json is not JSON"),
+        ("tokenizer.json", garble, "tokenizer.json is not a tokenizers JSON file"),
+    ],
+    ids=["truncated", "garbled", "nan", "misshapen", "missing key", "bad json", "bad tokenizer"],
+)
+def test_a_damaged_checkpoint_is_one_clear_error_naming_the_file(
+    checkpoint, tmp_path, name, damage, said, capsys
+):
+    folder, _, _ = checkpoint
+    broken = corrupted_copy(folder, tmp_path, name, damage)
+    with pytest.raises(ValueError) as raised:
+        LLMEngine(broken, block_size=4, kv_cache_bytes=1 << 20)
+    assert said in str(raised.value), str(raised.value)
+    assert main(["generate", "def", "--model", str(broken), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert said in " ".join(err.split()) and "Traceback" not in err, err

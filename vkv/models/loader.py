@@ -6,7 +6,9 @@ byte-level Qwen3 trained on the Python standard library by ``scripts/train_vkv_t
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import load_file
@@ -15,6 +17,7 @@ from tokenizers import Tokenizer
 from vkv.models.qwen3 import CausalLM, ModelConfig
 
 DEFAULT_MODEL = Path(__file__).with_name("vkv-tiny")
+T = TypeVar("T")
 
 
 def load_checkpoint(
@@ -24,31 +27,68 @@ def load_checkpoint(
     ``tokenizer.json``) and its EOS token id.
 
     Raises ``FileNotFoundError`` for a folder without ``config.json`` or weights, and
-    ``ValueError`` for an architecture other than Qwen3 or Llama.
+    ``ValueError`` naming the file and what is wrong with it: a ``config.json`` that is not
+    JSON or lacks a key, an architecture other than Qwen3 or Llama, a truncated or garbled
+    safetensors file, a missing, unexpected or misshapen tensor, a weight that is NaN or
+    infinite, an unreadable ``tokenizer.json``.
     """
     folder = Path(path) if path is not None else DEFAULT_MODEL
-    if not (folder / "config.json").is_file():
+    config_file = folder / "config.json"
+    if not config_file.is_file():
         raise FileNotFoundError(f"{folder} is not a checkpoint folder: config.json is missing")
-    hf_config = json.loads((folder / "config.json").read_text())
-    config = ModelConfig.from_hf(hf_config)
+    hf_config = _read(config_file, "JSON", lambda: json.loads(config_file.read_text()))
+    if not isinstance(hf_config, dict):
+        raise ValueError(
+            f"{config_file} is not a JSON object: it holds a {type(hf_config).__name__}"
+        )
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except KeyError as exc:
+        raise ValueError(f"{config_file} lacks the key {exc}") from None
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{folder} holds no *.safetensors weights")
     model = CausalLM(config)
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        state.update(load_file(shard))
-    if config.tie_word_embeddings:
+        weights = _read(shard, "a safetensors file", lambda shard=shard: load_file(shard))
+        for name, tensor in weights.items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise ValueError(f"{shard}: tensor {name} holds NaN or infinite values")
+        state.update(weights)
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    unexpected = [key for key in unexpected if "rotary" not in key]
-    if missing or unexpected:
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in state]
+    unexpected = [key for key in state if key not in expected and "rotary" not in key]
+    misshapen = [
+        f"{key} {tuple(state[key].shape)} (expected {tuple(expected[key].shape)})"
+        for key in expected
+        if key in state and state[key].shape != expected[key].shape
+    ]
+    if missing or unexpected or misshapen:
         raise ValueError(
-            f"{folder}: weights do not match the model (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
+            f"{folder}: the weights do not match config.json (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, wrong shape {misshapen[:3]})"
         )
+    model.load_state_dict(state, strict=False)
     tokenizer_file = folder / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
+    tokenizer = None
+    if tokenizer_file.is_file():
+        tokenizer = _read(
+            tokenizer_file,
+            "a tokenizers JSON file",
+            lambda: Tokenizer.from_file(str(tokenizer_file)),
+        )
     eos = hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     return model.to(device=device, dtype=dtype).eval(), tokenizer, eos
+
+
+def _read(file: Path, what: str, read: Callable[[], T]) -> T:
+    """``read()``, or a ``ValueError`` naming ``file`` when it is not ``what`` it should be."""
+    try:
+        return read()
+    except Exception as exc:  # each library raises its own kind; all mean a bad file
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{file} is not {what}: {first_line[:200]}") from None
