@@ -1,0 +1,170 @@
+"""A randomized fault driver for ``LLMEngine``: the block accounting and the outputs under abuse.
+
+Each run draws an engine (block size 1, 4 or 16; a GPU pool of 8 to 48 tokens and a CPU pool
+of 0, 1 or 2 times it; swap or recompute preemption; chunked prefill on or off) over a tiny
+random Qwen3, then for ``steps`` steps adds requests (some longer than ``max_model_len``: refused; some longer than the
+pool: ignored), aborts requests (running, waiting, swapped, already finished, unknown: the last
+two refused), and steps. After every step it checks the engine's invariants; at the end every
+completion, whatever ended it, must be a prefix of the greedy completion of the same prompt
+served alone. Then, with no more arrivals, everything must finish within a bound (no
+livelock).
+
+The short version runs in every test run; ``uv run pytest -m slow
+tests/runtime/test_fault_driver.py`` runs the long one (20 seeds of 1,000 steps).
+"""
+
+import random
+
+import pytest
+from tiny_checkpoints import tiny_hf_model
+
+from vkv import SamplingParams
+from vkv.engine.block import Device
+from vkv.engine.llm_engine import LLMEngine
+from vkv.engine.sequence import SequenceStatus
+
+MAX_MODEL_LEN = 64
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    tiny_hf_model().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def alone(folder):
+    """Greedy completions of prompts served one at a time, in a pool that holds everything."""
+    engine = LLMEngine(folder, block_size=16, num_gpu_blocks=64, max_model_len=MAX_MODEL_LEN)
+    done: dict[tuple[int, ...], list[int]] = {}
+
+    def completion(prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in done:
+            budget = MAX_MODEL_LEN + 1 - len(prompt)
+            request = engine.add_request(prompt, SamplingParams(max_tokens=budget, **GREEDY))
+            while engine.has_unfinished_requests():
+                engine.step()
+            done[key] = engine.sequence(request).completion_token_ids
+        return done[key]
+
+    return completion
+
+
+def make_engine(folder, rng: random.Random) -> LLMEngine:
+    """A pool of 8 to 48 tokens (smaller than many requests), a CPU pool of 0, 1 or 2 times it."""
+    chunked = rng.random() < 0.5
+    block_size = rng.choice([1, 4, 16])
+    num_gpu_blocks = max(2, rng.randint(8, 48) // block_size)
+    return LLMEngine(
+        folder,
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=rng.choice([0, 1, 2]) * num_gpu_blocks,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=rng.choice([2, 4, 8]),
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=rng.choice([16, 64]) if chunked else None,
+        preemption_mode=rng.choice(["swap", "recompute"]),
+    )
+
+
+def check_invariants(engine: LLMEngine) -> None:
+    scheduler, manager = engine.scheduler, engine.scheduler.block_manager
+    queues = {
+        SequenceStatus.WAITING: (list(scheduler.waiting), None),
+        SequenceStatus.RUNNING: (scheduler.running, Device.GPU),
+        SequenceStatus.SWAPPED: (scheduler.swapped, Device.CPU),
+    }
+    queued = [seq.seq_id for queue, _ in queues.values() for seq in queue]
+    assert len(queued) == len(set(queued)) == scheduler.num_unfinished, "one queue each"
+    for status, (queue, device) in queues.items():
+        for seq in queue:
+            assert seq.status is status, f"{seq} is queued as {status.name}"
+            assert manager.device_of(seq) is device, f"{seq}: blocks on {manager.device_of(seq)}"
+    for device, allocator, queue in (
+        (Device.GPU, manager.gpu_allocator, scheduler.running),
+        (Device.CPU, manager.cpu_allocator, scheduler.swapped),
+    ):
+        holders = [0] * allocator.num_blocks
+        for seq in queue:
+            for block_id in seq.block_table:
+                holders[block_id] += 1
+        refs = [block.ref_count for block in allocator.blocks]
+        assert refs == holders, f"{device.value}: ref counts {refs}, holders {holders}"
+        used = sum(count > 0 for count in holders)
+        assert allocator.num_free_blocks + used == allocator.num_blocks, f"{device.value} leak"
+    for request_id in range(engine._next_id):
+        seq = engine.sequence(request_id)
+        if seq.is_finished:
+            assert seq.block_table == [] and manager.device_of(seq) is None, f"{seq} holds blocks"
+
+
+def drive(folder, alone, seed: int, steps: int) -> dict[str, int]:
+    """One randomized run; returns what happened, by kind."""
+    rng = random.Random(seed)
+    engine = make_engine(folder, rng)
+    prompts: dict[int, list[int]] = {}
+    seen = dict.fromkeys(("added", "refused", "aborted", "abort refused", "finished"), 0)
+    for _ in range(steps):
+        roll = rng.random()
+        if roll < 0.2:
+            prompt = [rng.randrange(96) for _ in range(rng.choice([1, 5, 20, 40, 70]))]
+            params = SamplingParams(max_tokens=rng.randint(1, 30), **GREEDY)
+            try:
+                request = engine.add_request(prompt, params)
+            except ValueError:
+                assert len(prompt) > MAX_MODEL_LEN, f"a {len(prompt)}-token prompt was refused"
+                seen["refused"] += 1
+            else:
+                prompts[request] = prompt
+                seen["added"] += 1
+        elif roll < 0.25:
+            request = rng.randrange(engine._next_id + 2)  # the last ids are unknown
+            finished = request not in prompts or engine.sequence(request).is_finished
+            try:
+                engine.abort(request)
+            except ValueError:
+                assert finished, f"abort({request}) refused a request that is not finished"
+                seen["abort refused"] += 1
+            else:
+                assert not finished, f"abort({request}) accepted a finished or unknown id"
+                seen["aborted"] += 1
+        else:
+            seen["finished"] += sum(output.finished for output in engine.step())
+        check_invariants(engine)
+    bound = sum(MAX_MODEL_LEN + 1 for _ in prompts) + 10  # a token a step at least, alone
+    for _ in range(bound):  # no more arrivals: everything must finish (no livelock)
+        if not engine.has_unfinished_requests():
+            break
+        seen["finished"] += sum(output.finished for output in engine.step())
+        check_invariants(engine)
+    assert not engine.has_unfinished_requests(), f"seed {seed}: unfinished after {bound} steps"
+    seen["preemptions"] = engine.scheduler.num_preemptions
+    seen["ignored"] = sum(
+        engine.sequence(request).status is SequenceStatus.FINISHED_IGNORED for request in prompts
+    )
+    for request, prompt in prompts.items():
+        got = engine.sequence(request).completion_token_ids
+        expected = alone(prompt)[: len(got)]
+        assert got == expected, f"seed {seed}, request {request}: {got} != alone {expected}"
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_short_randomized_runs_keep_the_invariants_and_the_outputs(folder, alone, seed):
+    seen = drive(folder, alone, seed, steps=300)
+    assert seen["added"] and seen["finished"], seen
+
+
+@pytest.mark.slow
+def test_long_randomized_runs_keep_the_invariants_and_the_outputs(folder, alone, request):
+    if "slow" not in (request.config.getoption("-m") or ""):
+        pytest.skip("the long run: uv run pytest -m slow tests/runtime/test_fault_driver.py")
+    totals: dict[str, int] = {}
+    for seed in range(20):
+        for kind, count in drive(folder, alone, 100 + seed, steps=1000).items():
+            totals[kind] = totals.get(kind, 0) + count
+    print(f"20 seeds x 1,000 steps: {totals}")
