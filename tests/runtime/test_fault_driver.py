@@ -2,12 +2,12 @@
 
 Each run draws an engine (block size 1, 4 or 16; a GPU pool of 8 to 48 tokens and a CPU pool
 of 0, 1 or 2 times it; swap or recompute preemption; chunked prefill on or off) over a tiny
-random Qwen3, then for ``steps`` steps adds requests (some longer than ``max_model_len``: refused; some longer than the
-pool: ignored), aborts requests (running, waiting, swapped, already finished, unknown: the last
-two refused), and steps. After every step it checks the engine's invariants; at the end every
-completion, whatever ended it, must be a prefix of the greedy completion of the same prompt
-served alone. Then, with no more arrivals, everything must finish within a bound (no
-livelock).
+random Qwen3, then for ``steps`` steps adds requests (some longer than ``max_model_len``:
+refused; some longer than the pool: ignored), aborts requests (running, waiting, swapped,
+already finished, unknown: the last two refused), and steps. After every step it checks the
+engine's invariants; at the end every completion, whatever ended it, must be a prefix of the
+greedy completion of the same prompt served alone. Then, with no more arrivals, everything
+must finish within a bound (no livelock).
 
 The short version runs in every test run; ``uv run pytest -m slow
 tests/runtime/test_fault_driver.py`` runs the long one (20 seeds of 1,000 steps).
