@@ -11,7 +11,7 @@ from time import perf_counter
 from typing import ClassVar
 
 import pytest
-from hypothesis import given, seed
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -19,9 +19,8 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
-from hypothesis_settings import graded_settings
+from hypothesis_settings import graded_settings, run_counted_machine
 
 from vkv.engine.block import Block, BlockAllocator, Device, DoubleFreeError, NoFreeBlocksError
 from vkv.engine.block_manager import AllocStatus, BlockManager
@@ -31,7 +30,6 @@ from vkv.engine.swapper import Swapper
 from vkv.sampling_params import SamplingParams
 
 FAST = graded_settings(max_examples=60)
-MACHINE_SEED = 0
 STATEFUL = graded_settings(max_examples=60, stateful_step_count=50)
 FINISHED = [s for s in SequenceStatus if s.name.startswith("FINISHED_")]
 
@@ -2147,15 +2145,6 @@ class SwappingMachine(BlockManagerMachine):
     SWAPS = True
 
 
-def run_machine(machine: type[BlockManagerMachine], required: set[tuple[str, str]]) -> None:
-    """Run the machine; then check it reached every (operation, state) pair in ``required``."""
-    machine.REACHED = Counter()
-    seed(MACHINE_SEED)(machine)  # the same runs everywhere (derandomize alone varies by setup)
-    run_state_machine_as_test(machine, settings=STATEFUL)
-    missing = required - set(machine.REACHED)
-    assert not missing, f"the random runs never reached {sorted(missing)}: {machine.REACHED}"
-
-
 MANAGER_PAIRS = {
     *(("allocate", status.name) for status in AllocStatus),
     *(("append", kind) for kind in ("fits", "new block", "copy on write", "no room")),
@@ -2166,7 +2155,7 @@ MANAGER_PAIRS = {
 
 
 def test_part3_invariants_hold_under_random_allocate_append_fork_free():
-    run_machine(BlockManagerMachine, MANAGER_PAIRS)
+    run_counted_machine(BlockManagerMachine, STATEFUL, MANAGER_PAIRS)
 
 
 def test_part4_invariants_hold_under_random_operations_with_swaps():
@@ -2175,7 +2164,7 @@ def test_part4_invariants_hold_under_random_operations_with_swaps():
     # sequence (test_part4_freeing_a_swapped_sequence_releases_its_cpu_blocks).
     swaps = {("swap out", "moved"), ("swap out", "refused"), ("swap out", "with a token owed")}
     swaps |= {("swap in", "OK"), ("swap in", "LATER"), ("swap in", "moved"), ("swap in", "refused")}
-    run_machine(SwappingMachine, swaps)
+    run_counted_machine(SwappingMachine, STATEFUL, swaps)
 
 
 # --------------------------------------------------------------------------------------------

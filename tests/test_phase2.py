@@ -11,7 +11,6 @@ from time import perf_counter
 from typing import ClassVar
 
 import pytest
-from hypothesis import seed
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -19,9 +18,8 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
-from hypothesis_settings import graded_settings
+from hypothesis_settings import graded_settings, run_counted_machine
 
 from vkv.config import Config
 from vkv.engine.block import Device
@@ -37,7 +35,6 @@ from vkv.sampling_params import SamplingParams
 
 TOKEN = 5
 EOS = 2
-MACHINE_SEED = 0
 STATEFUL = graded_settings(max_examples=60, stateful_step_count=40)
 
 
@@ -1915,15 +1912,6 @@ class ChunkedSwapMachine(SchedulerMachine):
     CHUNKED = True
 
 
-def run_machine(machine: type[SchedulerMachine], required: set[tuple[str, str]]) -> None:
-    """Run the machine; then check it reached every (operation, state) pair in ``required``."""
-    machine.REACHED = Counter()
-    seed(MACHINE_SEED)(machine)  # the same runs everywhere (derandomize alone varies by setup)
-    run_state_machine_as_test(machine, settings=STATEFUL)
-    missing = required - set(machine.REACHED)
-    assert not missing, f"the random runs never reached {sorted(missing)}: {machine.REACHED}"
-
-
 ALWAYS = {
     ("abort", "WAITING"),
     ("abort", "RUNNING"),
@@ -1934,16 +1922,20 @@ ALWAYS = {
 
 
 def test_part3_random_workloads_keep_the_invariants_and_finish():
-    run_machine(SchedulerMachine, ALWAYS | {("step", "prefill"), ("step", "decode")})
+    run_counted_machine(
+        SchedulerMachine, STATEFUL, ALWAYS | {("step", "prefill"), ("step", "decode")}
+    )
 
 
 def test_part4_random_workloads_with_swapping_keep_the_invariants_and_finish():
-    run_machine(SwapMachine, ALWAYS | {("step", "swap out"), ("step", "swap in")})
+    run_counted_machine(SwapMachine, STATEFUL, ALWAYS | {("step", "swap out"), ("step", "swap in")})
 
 
 def test_part5_random_workloads_with_chunked_prefill_keep_the_invariants_and_finish():
-    run_machine(ChunkedMachine, ALWAYS | {("step", "mixed")})
+    run_counted_machine(ChunkedMachine, STATEFUL, ALWAYS | {("step", "mixed")})
 
 
 def test_part5_random_workloads_with_chunked_prefill_and_swapping_finish():
-    run_machine(ChunkedSwapMachine, ALWAYS | {("step", "swap in"), ("step", "mixed")})
+    run_counted_machine(
+        ChunkedSwapMachine, STATEFUL, ALWAYS | {("step", "swap in"), ("step", "mixed")}
+    )
