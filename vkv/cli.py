@@ -63,9 +63,12 @@ def _grade(args: argparse.Namespace, console: Console) -> int:
 
 
 def _generate(args: argparse.Namespace, console: Console) -> int:
+    from vkv.engine.llm_engine import check_text
     from vkv.llm import LLM
     from vkv.sampling_params import SamplingParams
 
+    for prompt in args.prompts:  # before the model loads and the engine describes itself
+        check_text(prompt)
     params = [
         SamplingParams(
             temperature=args.temperature,

@@ -21,11 +21,14 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_progress: bool = True,
     ) -> list[dict]:
-        """Generate for every prompt, in prompt order: ``[{"text", "token_ids", "finish_reason"}]``.
+        """Generate for every prompt, in prompt order: ``[{"text", "token_ids", "finish_reason",
+        "error"}]``.
 
         ``finish_reason`` is ``stop`` (EOS), ``length`` (``max_tokens`` or ``max_model_len``),
-        or ``ignored``: the request could never fit the KV cache (its prompt, or the tokens it
-        grew to, need more blocks than the pool has); its text is what it generated until then.
+        ``ignored``: the request could never fit the KV cache (its prompt, or the tokens it
+        grew to, need more blocks than the pool has), or ``error``: running the model for it
+        raised, and ``error`` says what (it is None otherwise). The text is what the request
+        generated until it finished.
 
         ``sampling_params`` is one ``SamplingParams`` for all (None: the defaults) or a list of
         one per prompt. Raises ``ValueError`` for a single string (pass ``[prompt]``), a list
@@ -56,6 +59,7 @@ class LLM:
                             "text": self.engine.decode(output.token_ids),
                             "token_ids": output.token_ids,
                             "finish_reason": output.finish_reason,
+                            "error": output.error,
                         }
                         progress.advance(task)
         return [results[i] for i in ids]

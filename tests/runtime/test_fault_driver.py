@@ -3,11 +3,13 @@
 Each run draws an engine (block size 1, 4 or 16; a GPU pool of 8 to 48 tokens and a CPU pool
 of 0, 1 or 2 times it; swap or recompute preemption; chunked prefill on or off) over a tiny
 random Qwen3, then for ``steps`` steps adds requests (some longer than ``max_model_len``:
-refused; some longer than the pool: ignored), aborts requests (running, waiting, swapped,
-already finished, unknown: the last two refused), and steps. After every step it checks the
-engine's invariants; at the end every completion, whatever ended it, must be a prefix of the
-greedy completion of the same prompt served alone. Then, with no more arrivals, everything
-must finish within a bound (no livelock).
+refused; some longer than the pool: ignored; some poisoned: the model raises on them), aborts
+requests (running, waiting, swapped, already finished, unknown: the last two refused), and
+steps. After every step it checks the engine's invariants. Then, with no more arrivals,
+everything must finish within a bound (no livelock). At the end every poisoned request has
+failed alone (``finish_reason == "error"``, nothing generated) unless it was ignored or aborted
+first, and every other completion, whatever ended it, is a prefix of the greedy completion of
+the same prompt served alone.
 
 The short version runs in every test run; ``uv run pytest -m slow
 tests/runtime/test_fault_driver.py`` runs the long one (20 seeds of 1,000 steps).
@@ -25,6 +27,20 @@ from vkv.engine.sequence import SequenceStatus
 
 MAX_MODEL_LEN = 64
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+POISON = 95  # the last id of the tiny vocabulary; a prompt that starts with it is poisoned
+
+
+class PoisonedModel:
+    """The engine's model, except that a batch with a poisoned prompt's first token raises."""
+
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config
+
+    def __call__(self, input_ids, positions, *rest):
+        if bool(((input_ids == POISON) & (positions == 0)).any()):
+            raise RuntimeError("the model met a poisoned prompt")
+        return self.model(input_ids, positions, *rest)
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +70,12 @@ def alone(folder):
 
 
 def make_engine(folder, rng: random.Random) -> LLMEngine:
-    """A pool of 8 to 48 tokens (smaller than many requests), a CPU pool of 0, 1 or 2 times it."""
+    """A pool of 8 to 48 tokens (smaller than many requests), a CPU pool of 0, 1 or 2 times it;
+    the model raises on poisoned prompts."""
     chunked = rng.random() < 0.5
     block_size = rng.choice([1, 4, 16])
     num_gpu_blocks = max(2, rng.randint(8, 48) // block_size)
-    return LLMEngine(
+    engine = LLMEngine(
         folder,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
@@ -69,6 +86,8 @@ def make_engine(folder, rng: random.Random) -> LLMEngine:
         max_num_batched_tokens=rng.choice([16, 64]) if chunked else None,
         preemption_mode=rng.choice(["swap", "recompute"]),
     )
+    engine.runner.model = PoisonedModel(engine.runner.model)
+    return engine
 
 
 def check_invariants(engine: LLMEngine) -> None:
@@ -107,11 +126,20 @@ def drive(folder, alone, seed: int, steps: int) -> dict[str, int]:
     rng = random.Random(seed)
     engine = make_engine(folder, rng)
     prompts: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
     seen = dict.fromkeys(("added", "refused", "aborted", "abort refused", "finished"), 0)
+
+    def step() -> None:
+        for output in engine.step():
+            if output.finished:
+                reasons[output.request_id] = output.finish_reason
+                seen["finished"] += 1
+
     for _ in range(steps):
         roll = rng.random()
         if roll < 0.2:
-            prompt = [rng.randrange(96) for _ in range(rng.choice([1, 5, 20, 40, 70]))]
+            prompt = [rng.randrange(POISON) for _ in range(rng.choice([1, 5, 20, 40, 70]))]
+            prompt[0] = POISON if rng.random() < 0.15 else prompt[0]
             params = SamplingParams(max_tokens=rng.randint(1, 30), **GREEDY)
             try:
                 request = engine.add_request(prompt, params)
@@ -131,23 +159,31 @@ def drive(folder, alone, seed: int, steps: int) -> dict[str, int]:
                 seen["abort refused"] += 1
             else:
                 assert not finished, f"abort({request}) accepted a finished or unknown id"
+                reasons[request] = "abort"
                 seen["aborted"] += 1
         else:
-            seen["finished"] += sum(output.finished for output in engine.step())
+            step()
         check_invariants(engine)
     bound = sum(MAX_MODEL_LEN + 1 for _ in prompts) + 10  # a token a step at least, alone
     for _ in range(bound):  # no more arrivals: everything must finish (no livelock)
         if not engine.has_unfinished_requests():
             break
-        seen["finished"] += sum(output.finished for output in engine.step())
+        step()
         check_invariants(engine)
     assert not engine.has_unfinished_requests(), f"seed {seed}: unfinished after {bound} steps"
     seen["preemptions"] = engine.scheduler.num_preemptions
     seen["ignored"] = sum(
         engine.sequence(request).status is SequenceStatus.FINISHED_IGNORED for request in prompts
     )
+    seen["failed"] = sum(reason == "error" for reason in reasons.values())
     for request, prompt in prompts.items():
         got = engine.sequence(request).completion_token_ids
+        if prompt[0] == POISON:
+            assert reasons.get(request) in ("error", "ignored", "abort") and got == [], (
+                f"seed {seed}, poisoned request {request}: {reasons.get(request)}, {got}"
+            )
+            continue
+        assert reasons.get(request) != "error", f"seed {seed}: request {request} failed"
         expected = alone(prompt)[: len(got)]
         assert got == expected, f"seed {seed}, request {request}: {got} != alone {expected}"
     return seen
@@ -156,7 +192,7 @@ def drive(folder, alone, seed: int, steps: int) -> dict[str, int]:
 @pytest.mark.parametrize("seed", range(8))
 def test_short_randomized_runs_keep_the_invariants_and_the_outputs(folder, alone, seed):
     seen = drive(folder, alone, seed, steps=300)
-    assert seen["added"] and seen["finished"], seen
+    assert seen["added"] and seen["finished"] and seen["failed"], seen
 
 
 @pytest.mark.slow

@@ -62,7 +62,8 @@ def generate(model, backend, block_size, num_gpu_blocks, **options):
         if scheduler.is_finished():
             break
         out = scheduler.schedule()
-        scheduler.postprocess(out.scheduled, runner.run(out))
+        runner.apply_block_maps(out)
+        scheduler.postprocess(out.scheduled, runner.execute(out.scheduled))
     assert scheduler.is_finished()
     return [seq.completion_token_ids for seq in seqs], scheduler.num_preemptions
 

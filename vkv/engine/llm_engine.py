@@ -5,6 +5,12 @@ model and returns what each request gained (new text for streaming, and whether 
 ``abort`` drops a request, ``stats`` describes the engine after the last step. Bad input (an
 empty prompt, one longer than ``max_model_len``, text without a tokenizer) raises at
 ``add_request`` and leaves the other requests and the block accounting as they were.
+
+A fault while a step runs the model fails the requests it belongs to, never the engine: when
+the batch raises, each sequence runs again on its own; one that raises alone finishes with
+``finish_reason == "error"`` and the error's one-line description, its blocks freed, and the
+others go on. A missing part of the assignment (``NotImplementedError``) is not a request's
+fault: it propagates.
 """
 
 import os
@@ -19,7 +25,7 @@ import torch
 from vkv.config import Config
 from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
 from vkv.engine.model_runner import ModelRunner
-from vkv.engine.scheduler import Scheduler
+from vkv.engine.scheduler import ScheduledSequence, Scheduler
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.kernels import reference
 from vkv.models.loader import load_checkpoint
@@ -27,6 +33,7 @@ from vkv.sampling_params import SamplingParams
 
 CPU_KV_BYTES = 256 << 20
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+FAILED_TOKEN = -1  # what a failed sequence "sampled": never appended
 INCOMPLETE_CHARACTER = "\ufffd"  # what a decoder makes of a UTF-8 character cut short
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -44,6 +51,7 @@ class RequestOutput:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    error: str | None = None  # why a request with finish_reason "error" failed
 
 
 class LLMEngine:
@@ -127,6 +135,7 @@ class LLMEngine:
         )
         self._requests: dict[int, Sequence] = {}
         self._streamed: dict[int, tuple[int, str]] = {}  # tokens and text already returned
+        self._errors: dict[int, str] = {}  # request id -> why it failed
         self._next_id = 0
         self.stats: dict[str, float] = {}
 
@@ -161,8 +170,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids")
-            if not prompt.isascii() and _not_utf8(prompt):
-                raise ValueError(f"the prompt is not valid UTF-8 text: {prompt!r}")
+            check_text(prompt)
             prompt = self.tokenizer.encode(prompt).ids
         if not isinstance(prompt, list | tuple) or not all(map(_is_token_id, prompt)):
             raise ValueError(f"a prompt is text or a list of integer token ids, got {prompt!r}")
@@ -197,7 +205,8 @@ class LLMEngine:
         """
         started = time.perf_counter()
         out = self.scheduler.schedule()
-        self.scheduler.postprocess(out.scheduled, self.runner.run(out))
+        self.runner.apply_block_maps(out)
+        self.scheduler.postprocess(out.scheduled, self._execute(out.scheduled))
         touched = [item.seq for item in out.scheduled] + [i.seq for i in out.ignored]
         outputs = [self._output(seq) for seq in touched]
         elapsed = time.perf_counter() - started
@@ -218,8 +227,32 @@ class LLMEngine:
         }
         return outputs
 
+    def _execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
+        """The batch's sampled tokens; when it raises, each sequence runs again on its own.
+
+        A sequence that raises alone fails (``_fail``); its token is a placeholder that
+        ``postprocess`` skips, since the sequence is finished by then.
+        """
+        try:
+            return self.runner.execute(scheduled)
+        except NotImplementedError:
+            raise
+        except Exception as error:
+            if len(scheduled) > 1:
+                return [token for item in scheduled for token in self._execute([item])]
+            self._fail(scheduled[0].seq, error)
+            return [FAILED_TOKEN]
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        """Finish a request the model could not run: its blocks freed, the error kept."""
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        self._errors[seq.seq_id] = reason
+        self.scheduler.abort(seq.seq_id)
+        print(f"vkv: request {seq.seq_id} failed: {reason}", file=sys.stderr)
+
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = seq.completion_token_ids
+        error = self._errors.get(seq.seq_id)
         sent, previous = self._streamed[seq.seq_id]
         text = self.decode(completion)
         if not seq.is_finished:  # wait for a character's last byte (one U+FFFD per byte, or one)
@@ -231,7 +264,8 @@ class LLMEngine:
             new_token_ids=completion[sent:],
             token_ids=completion,
             finished=seq.is_finished,
-            finish_reason=FINISH_REASONS.get(seq.status),
+            finish_reason="error" if error else FINISH_REASONS.get(seq.status),
+            error=error,
         )
 
     def decode(self, token_ids: list[int]) -> str:
@@ -242,10 +276,15 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def _not_utf8(text: str) -> bool:
-    """Whether ``text`` holds characters UTF-8 cannot encode (bytes a shell passed undecoded)."""
+def check_text(prompt: str) -> None:
+    """Raise ``ValueError`` for a text prompt that is empty or not valid UTF-8 (a shell passes
+    undecodable bytes as lone surrogates); the CLI checks its arguments before loading a model.
+    """
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if prompt.isascii():
+        return
     try:
-        text.encode("utf-8")
+        prompt.encode("utf-8")
     except UnicodeEncodeError:
-        return True
-    return False
+        raise ValueError(f"the prompt is not valid UTF-8 text: {prompt!r}") from None

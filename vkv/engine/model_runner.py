@@ -16,7 +16,7 @@ import torch
 
 from vkv.engine.block_manager import BlockManager
 from vkv.engine.cache_engine import CacheEngine
-from vkv.engine.scheduler import SchedulerOutput
+from vkv.engine.scheduler import ScheduledSequence, SchedulerOutput
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 from vkv.sampling_params import MAX_SEED, SamplingParams
 
@@ -36,13 +36,15 @@ class ModelRunner:
         self.device = cache_engine.device
         self.model_seconds = 0.0
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step's ``input_ids``, ``positions`` and attention metadata."""
+    def prepare(
+        self, scheduled: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The batch's ``input_ids``, ``positions`` and attention metadata."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu_seqlens, context_lens, tables = [0], [], []
-        for item in out.scheduled:
+        for item in scheduled:
             seq = item.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
             tokens += seq.token_ids[start:end]
@@ -58,7 +60,7 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         meta = AttentionMetadata(
-            is_prefill=out.kind != "decode",
+            is_prefill=any(item.is_prefill for item in scheduled),
             slot_mapping=tensor(slots, torch.int64),
             block_tables=tensor(padded),
             context_lens=tensor(context_lens),
@@ -66,31 +68,35 @@ class ModelRunner:
         )
         return tensor(tokens, torch.int64), tensor(positions, torch.int64), meta
 
-    @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[int]:
-        """Apply the step's block maps, run the model, return one sampled token per sequence.
-
-        ``model_seconds`` is then the time the model's forward took (the rest of a step is
-        overhead: scheduling, block maps, inputs, sampling).
-        """
+    def apply_block_maps(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in and copy the blocks the step moves, before any of it runs."""
         self.cache_engine.apply(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         self.model_seconds = 0.0
-        if not out.scheduled:
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
+        """Run the model over the scheduled tokens; one sampled token per sequence, in order.
+
+        Only the slots of ``scheduled`` are written, so a subset of a step's batch can run
+        again on its own. ``model_seconds`` adds the time the model's forward took (the rest of
+        a step is overhead: scheduling, block maps, inputs, sampling).
+        """
+        if not scheduled:
             return []
-        input_ids, positions, meta = self.prepare(out)
+        input_ids, positions, meta = self.prepare(scheduled)
         caches = [self.cache_engine.layer(i) for i in range(self.model.config.num_layers)]
         started = time.perf_counter()
         logits = self.model(input_ids, positions, caches, meta, self.backend)
         last = logits[meta.cu_seqlens_q[1:].long() - 1]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.model_seconds = time.perf_counter() - started
-        params = [item.seq.sampling_params for item in out.scheduled]
+        self.model_seconds += time.perf_counter() - started
+        params = [item.seq.sampling_params for item in scheduled]
         if all(p.greedy for p in params):
             return last.argmax(-1).tolist()
         return [
             sample(row, p, item.seq.num_tokens)
-            for row, p, item in zip(last, params, out.scheduled, strict=True)
+            for row, p, item in zip(last, params, scheduled, strict=True)
         ]
 
 
