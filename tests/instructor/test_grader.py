@@ -1,7 +1,11 @@
 """``vkv grade`` against submissions that try to cheat, and its output formats.
 
 Each cheat starts from an honest submission (Part 1.1 solved, Part 1.2 not) and must score no
-more than it. Only parts 1.1 and 1.2 are graded, to keep each grade to a few seconds.
+more than it. Only parts 1.1 and 1.2 are graded, to keep each grade to a few seconds. Code
+outside a solution region is refused by the static policy before it runs; such cheats are
+graded a second time with ``enforce_policy=False`` (and, where a test says so, without the
+sandbox), so that the guard behind the policy is tested on its own. ``test_attacks.py`` has
+the attacks of the grader's adversarial review.
 """
 
 import json
@@ -12,7 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from vkv.assignment import comment, report
+from vkv.assignment import comment, report, sandbox
 from vkv.assignment.grade import copy_clean, grade
 from vkv.assignment.release import release, solve
 
@@ -41,11 +45,24 @@ def honest(edition: Path, where: Path) -> Path:
     return submission
 
 
-def cheat_score(edition: Path, where: Path, cheat) -> tuple[float, object]:
+def cheat_score(edition: Path, where: Path, cheat, **options) -> tuple[float, object]:
     submission = honest(edition, where)
     cheat(submission)
-    result = grade(submission, edition, parts=PARTS, timeout=15)
+    result = grade(submission, edition, parts=PARTS, timeout=15, **options)
     return result.score, result
+
+
+def guarded_score(edition: Path, where: Path, cheat) -> tuple[float, object]:
+    """The cheat graded twice: refused by the policy, then caught by what lies behind it."""
+    _, result = cheat_score(edition, where / "policy", cheat)
+    assert result.parts[1].status == "not graded", result.parts[1]
+    assert "code outside the solution regions changed" in result.parts[1].detail
+    return cheat_score(edition, where / "guard", cheat, enforce_policy=False)
+
+
+@pytest.fixture
+def no_sandbox(monkeypatch):
+    monkeypatch.setattr(sandbox, "available", lambda: False)
 
 
 def prepend(path: Path, code: str) -> None:
@@ -96,7 +113,7 @@ def test_pytest11_entry_point_is_ignored(edition, tmp_path, honest_score):
 
 
 def test_os_exit_at_import_of_a_graded_module_scores_nothing(edition, tmp_path, honest_score):
-    score, result = cheat_score(
+    score, result = guarded_score(
         edition,
         tmp_path,
         lambda sub: prepend(sub / "vkv/engine/block.py", "import os\nos._exit(0)"),
@@ -116,10 +133,19 @@ def replace_stub(qualname: str, code: str):
     return cheat
 
 
-def test_sys_exit_inside_a_graded_function_fails_that_test(edition, tmp_path, honest_score):
+def test_sys_exit_inside_a_graded_function_is_not_graded(edition, tmp_path, honest_score):
     cheat = replace_stub("allocate", "import sys; sys.exit(0)")
-    score, _ = cheat_score(edition, tmp_path, cheat)
+    score, result = cheat_score(edition, tmp_path, cheat)
     assert score <= honest_score
+    assert "an import of sys, which is not allowed here" in result.parts[1].detail
+
+
+def test_raising_system_exit_inside_a_graded_function_fails_that_test(
+    edition, tmp_path, honest_score
+):
+    cheat = replace_stub("allocate", "raise SystemExit(0)")
+    score, result = cheat_score(edition, tmp_path, cheat, enforce_policy=False)
+    assert score <= honest_score and result.parts[1].status != "passed"
 
 
 def test_infinite_loop_times_out(edition, tmp_path, honest_score):
@@ -133,18 +159,23 @@ def test_fake_results_files_are_ignored(edition, tmp_path, honest_score):
     fake = (
         "import json, os, pathlib\n"
         "for name in ('results.json', 'junit.xml', 'report.jsonl'):\n"
-        "    pathlib.Path(name).write_text(json.dumps({'score': 1000}))\n"
-        "path = os.environ.get('VKV_GRADE_REPORT')\n"
-        "if path:\n"
-        "    open(path, 'a').write(json.dumps({'event': 'finished', 'tampered': None}) + '\\n')\n"
+        "    try:\n"
+        "        pathlib.Path(name).write_text(json.dumps({'score': 1000}))\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        os.write(fd, json.dumps({'event': 'finished', 'tampered': None}).encode())\n"
+        "    except OSError:\n"
+        "        pass\n"
     )
-    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", fake))
+    score, _ = guarded_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", fake))
     assert score <= honest_score
 
 
 def test_monkeypatching_pytest_from_a_graded_module_is_detected(edition, tmp_path, honest_score):
     patch = "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n"
-    score, result = cheat_score(
+    score, result = guarded_score(
         edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch)
     )
     assert score <= honest_score and score == 0
@@ -159,7 +190,7 @@ def test_patching_the_graders_reporter_is_detected(edition, tmp_path, honest_sco
         "    w = r.Reporter.write\n"
         "    r.Reporter.write = lambda self, rec: w(self, dict(rec, outcome='passed'))\n"
     )
-    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch))
+    score, _ = guarded_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch))
     assert score <= honest_score
 
 
@@ -169,7 +200,7 @@ def test_patching_hypothesis_is_detected(edition, tmp_path, honest_score):
         "hc.StateForActualGivenExecution.run_engine = "
         "lambda self: setattr(self, 'ever_executed', True)\n"
     )
-    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch))
+    score, _ = guarded_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch))
     assert score <= honest_score
 
 
@@ -187,7 +218,7 @@ def test_patching_a_hook_instance_is_detected(edition, tmp_path, honest_score):
         "    if isinstance(o, _pytest.config.Config):\n"
         "        o.hook.pytest_collection_finish = P(o.hook.pytest_collection_finish)\n"
     )
-    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch))
+    score, _ = guarded_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", patch))
     assert score <= honest_score
 
 
@@ -201,43 +232,64 @@ def test_a_symlinked_folder_is_not_followed(edition, tmp_path, honest_score):
     assert "vkv/engine (symbolic link)" in result.protected_modified
 
 
-def test_writing_to_the_trusted_tree_voids_the_grade(edition, tmp_path_factory):
+def test_writing_to_the_trusted_tree_voids_the_grade(edition, tmp_path_factory, no_sandbox):
+    """Without the policy and without a sandbox, the digest of the trusted tree catches it."""
     trusted = tmp_path_factory.mktemp("trusted") / "edition"
     copy_clean(edition, trusted)
     submission = honest(trusted, tmp_path_factory.mktemp("poison"))
-    target = trusted / "tests/hypothesis_settings.py"
+    target = trusted / ".venv/lib/sitecustomize.py"  # outside what the old digest read
+    target.parent.mkdir(parents=True)
+    target.write_text("")
     prepend(submission / "vkv/engine/block.py", f"open({str(target)!r}, 'a').write('# x')")
     with pytest.raises(RuntimeError, match="trusted tree"):
-        grade(submission, trusted, parts=PARTS, timeout=15)
+        grade(submission, trusted, parts=PARTS, timeout=15, enforce_policy=False)
 
 
 def test_garbage_in_the_report_does_not_crash_the_grader(edition, tmp_path, honest_score):
-    garbage = (
-        "env = open('/proc/self/environ', 'rb').read().split(b'\\0')\n"
-        "path = [e.split(b'=', 1)[1] for e in env if e.startswith(b'VKV_GRADE_REPORT=')]\n"
-        "if path:\n"
-        "    open(path[0], 'ab').write(b'1\\n\\xff\\n[]\\n{\"nodeid\": 3}\\n')\n"
+    garbage = PIPES + (
+        "for fd in pipes():\n    os.write(fd, b'1\\n\\xff\\n[]\\n{\"nodeid\": 3}\\n')\n"
     )
-    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", garbage))
+    score, _ = guarded_score(
+        edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", garbage)
+    )
     assert score <= honest_score
 
 
-@pytest.mark.xfail(strict=True, reason="in-process forgery of the report: only a sandbox stops it")
+PIPES = (  # the report's pipe: the reporter took its number out of the environment
+    "import json, os, stat, sys\n"
+    "def pipes():\n"
+    "    for fd in range(3, 64):\n"
+    "        try:\n"
+    "            if stat.S_ISFIFO(os.fstat(fd).st_mode):\n"
+    "                yield fd\n"
+    "        except OSError:\n"
+    "            pass\n"
+)
+FORGE = PIPES + (
+    "for fd in pipes():\n"
+    "    for a in sys.argv:\n"
+    "        if '::' in a:\n"
+    "            record = {'nodeid': a, 'when': 'call', 'outcome': 'passed', 'message': ''}\n"
+    "            os.write(fd, json.dumps(record).encode() + b'\\n')\n"
+    "    os.write(fd, json.dumps({'event': 'finished', 'tampered': None}).encode() + b'\\n')\n"
+    "os._exit(0)\n"
+)
+
+
+def test_the_policy_stops_a_forged_report(edition, tmp_path, honest_score):
+    cheat = lambda s: prepend(s / "vkv/engine/block.py", FORGE)  # noqa: E731
+    score, result = cheat_score(edition, tmp_path, cheat)
+    assert score <= honest_score and result.parts[1].status == "not graded"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="residual risk: code that runs in the test process can forge what that process "
+    "writes; the static policy is what keeps such code from running",
+)
 def test_forging_the_report_from_inside_the_test_process(edition, tmp_path, honest_score):
-    forge = (
-        "import json, os, sys\n"
-        "env = open('/proc/self/environ', 'rb').read().split(b'\\0')\n"
-        "path = [e.split(b'=', 1)[1] for e in env if e.startswith(b'VKV_GRADE_REPORT=')]\n"
-        "if path:\n"
-        "    with open(path[0], 'w') as f:\n"
-        "        for a in sys.argv:\n"
-        "            if '::' in a:\n"
-        "                f.write(json.dumps({'nodeid': a, 'when': 'call', 'outcome': 'passed',"
-        " 'message': ''}) + '\\n')\n"
-        "        f.write(json.dumps({'event': 'finished', 'tampered': None}) + '\\n')\n"
-        "    os._exit(0)\n"
-    )
-    score, _ = cheat_score(edition, tmp_path, lambda s: prepend(s / "vkv/engine/block.py", forge))
+    cheat = lambda s: prepend(s / "vkv/engine/block.py", FORGE)  # noqa: E731
+    score, _ = cheat_score(edition, tmp_path, cheat, enforce_policy=False)
     assert score <= honest_score
 
 

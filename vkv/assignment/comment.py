@@ -25,7 +25,7 @@ ADVISORY = (
 MARKER = "<!-- vkv-autograde -->"
 PART_ID = re.compile(r"^\d+\.\d+$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
-STATUSES = {"passed", "failed", "not started", "timeout", "error"}
+STATUSES = {"passed", "failed", "not started", "not graded", "timeout", "error"}
 MAX_ITEMS = 64
 MAX_MEMBER_BYTES = 1 << 20
 
@@ -62,6 +62,11 @@ def validate(document: object, parts: Parts) -> dict:
     protected = document.get("protected_modified", [])
     if not isinstance(protected, list) or not all(isinstance(p, str) for p in protected):
         raise ValueError("protected_modified must be a list of paths")
+    not_graded = document.get("not_graded", {})
+    if not isinstance(not_graded, dict) or len(not_graded) > MAX_ITEMS:
+        raise ValueError("not_graded must map at most 64 paths to reasons")
+    if not all(isinstance(reason, str) for reason in not_graded.values()):
+        raise ValueError("not_graded: a reason is not text")
     return {
         "schema": "vkv-grade/1",
         "score": round(sum(part["score"] for part in clean_parts), 2),
@@ -69,6 +74,7 @@ def validate(document: object, parts: Parts) -> dict:
         "parts": clean_parts,
         "protected_modified": [_path(p) for p in protected[:MAX_ITEMS]],
         "files": {_path(p): d for p, d in files.items()},
+        "not_graded": {_path(p): _path(reason) for p, reason in not_graded.items()},
     }
 
 
@@ -106,6 +112,9 @@ def as_markdown(document: dict) -> str:
     if document["protected_modified"]:
         lines += ["", "**Not graded: protected files modified**", ""]
         lines += [f"- `{path}`" for path in document["protected_modified"]]
+    if document["not_graded"]:
+        lines += ["", "**Not graded: files that break the submission policy**", ""]
+        lines += [f"- `{path}`: {reason}" for path, reason in document["not_graded"].items()]
     if document["files"]:
         lines += ["", "<details><summary>graded files (sha256)</summary>", ""]
         lines += [f"- `{path}` `{digest}`" for path, digest in document["files"].items()]

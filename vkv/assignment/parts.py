@@ -6,8 +6,10 @@ A graded test belongs to the part named by its file and its name: the test
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from vkv.assignment.policy import Policy
 
 MANIFEST = Path("assignment") / "parts.toml"
 GRADED_TEST_NAME = re.compile(r"^test_part(?P<number>\d+)_")
@@ -40,6 +42,7 @@ class Assignment:
     editable: tuple[str, ...]
     release_exclude: tuple[str, ...]
     edition: str = "reference"
+    policy: Policy = field(default_factory=Policy)
 
     @classmethod
     def load(cls, root: Path) -> "Assignment":
@@ -66,6 +69,7 @@ class Assignment:
             tuple(settings.get("editable", [])),
             tuple(settings.get("release_exclude", [])),
             edition,
+            Policy.from_manifest(data),
         )
 
     def restricted_to(self, part_ids: set[str]) -> "Assignment":
@@ -73,7 +77,7 @@ class Assignment:
         for part_id in part_ids:
             self.part(part_id)
         kept = tuple(part for part in self.parts if part.id in part_ids)
-        return Assignment(self.root, kept, self.editable, self.release_exclude, self.edition)
+        return replace(self, parts=kept)
 
     def part(self, part_id: str) -> Part:
         for part in self.parts:

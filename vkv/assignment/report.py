@@ -25,7 +25,9 @@ def as_dict(report: GradeReport) -> dict:
         "execution_time": report.execution_time,
         "parts": [_part(result) for result in report.parts],
         "protected_modified": report.protected_modified,
+        "not_graded": report.not_graded,
         "files": report.files,
+        "sandboxed": report.sandboxed,
     }
     if report.isolated is not None:
         document["isolated"] = [_part(result) for result in report.isolated]
@@ -90,6 +92,8 @@ def as_gradescope(report: GradeReport) -> str:
             )
     lines = [f"{path} sha256 {digest}" for path, digest in sorted(report.files.items())]
     lines += [f"not graded: protected file modified: {path}" for path in report.protected_modified]
+    lines += list(report.not_graded.values())
+    lines.append(_sandbox_line(report))
     document = {
         "score": report.score,
         "execution_time": round(report.execution_time),
@@ -138,6 +142,15 @@ def print_table(report: GradeReport, console: Console) -> None:
             console.print(f"part {result.part.id} failing: {shown}", highlight=False)
     for path in report.protected_modified:
         console.print(f"[yellow]not graded: protected file modified: {path}[/yellow]")
+    for reason in report.not_graded.values():
+        console.print(f"[yellow]{reason}[/yellow]", highlight=False)
+    console.print(_sandbox_line(report), highlight=False)
+
+
+def _sandbox_line(report: GradeReport) -> str:
+    if report.sandboxed:
+        return "graded in a bubblewrap sandbox"
+    return "graded without a sandbox (no usable bubblewrap): the static policy only"
 
 
 def _clip(text: str) -> str:

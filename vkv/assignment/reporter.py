@@ -1,8 +1,9 @@
 """The grader's pytest plugin: one JSON line per test phase, and a guard against tampering.
 
 ``vkv grade`` runs pytest with ``-p vkv.assignment.reporter`` (plugin autoloading off, the
-grader's own configuration, no conftest) and reads the results from the file named by
-``VKV_GRADE_REPORT``, never from pytest's exit code or anything the tests print.
+grader's own configuration, no conftest) and reads the results from the pipe whose file
+descriptor is ``VKV_GRADE_REPORT_FD``, never from pytest's exit code or anything the tests
+print.
 
 The guard: when pytest is configured, before any test module (and so any submitted code) is
 imported, it records every function of pytest's runner, reports and collection machinery, of
@@ -10,11 +11,15 @@ the ``pytest`` namespace and of ``builtins``, with its code object, and the regi
 (when the session starts, just before collection).
 After collection and after every test it compares: a graded module that patched pytest (to pass
 every test, say) is caught, and every result of the run is marked as tampered, which the grader
-scores as failed. The last line, ``finished``, tells the grader the session was not cut short.
+scores as failed. Each test item's function (``obj``, ``_obj``, ``function``) and its code are
+recorded after collection and checked before and after the test runs, and no profile or trace
+function may be installed. The last line, ``finished``, tells the grader the session was not cut
+short.
 
-This stops the tricks a submission can play from inside the tests' process that the grader's
-tests list; it is not a sandbox: code that runs with the grader's rights can, with enough effort,
-forge anything that process writes. Run untrusted code in a container for an authoritative grade.
+This is the last of three layers. The static policy (``policy.py``) keeps submitted code from
+naming anything it would need to tamper with, and the sandbox (``sandbox.py``) bounds what an
+escape could reach; the guard catches tampering that got past both from inside the process. It
+cannot stop code running in this process from forging what this process writes.
 """
 
 import builtins
@@ -74,11 +79,18 @@ def _behaves(value: object) -> bool:
     return callable(value) or isinstance(value, property | staticmethod | classmethod)
 
 
+def _test_function(item: pytest.Item) -> tuple[object, ...]:
+    """What runs for a test item: its function objects and their code."""
+    found = tuple(vars(item).get(name) for name in ("obj", "_obj", "function"))
+    return found + tuple(getattr(f, "__code__", None) for f in found)
+
+
 class Reporter:
-    def __init__(self, config: pytest.Config, path: str) -> None:
+    def __init__(self, config: pytest.Config, fd: int) -> None:
         self.config = config
-        self.out = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held for the session)
+        self.out = os.fdopen(fd, "w", encoding="utf-8")
         self.baseline: dict[str, object] = {}
+        self.functions: dict[str, tuple[object, ...]] = {}
         self.tampered: str | None = None
 
     def write(self, record: dict) -> None:
@@ -87,6 +99,9 @@ class Reporter:
 
     def verify(self) -> None:
         if self.tampered is not None:
+            return
+        if sys.getprofile() is not None or sys.gettrace() is not None:
+            self.tampered = "a profile or trace function was installed"
             return
         now = _snapshot(self.config)
         for key, value in self.baseline.items():
@@ -103,12 +118,24 @@ class Reporter:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.functions = {item.nodeid: _test_function(item) for item in session.items}
         self.verify()
+
+    def check_item(self, item: pytest.Item) -> None:
+        if self.tampered is not None:
+            return
+        if "runtest" in vars(item):
+            self.tampered = f"{item.nodeid}: runtest replaced on the item"
+        elif not _same(_test_function(item), self.functions.get(item.nodeid)):
+            self.tampered = f"{item.nodeid}: the test function replaced on the item"
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_call(self, item: pytest.Item) -> None:
-        if self.tampered is None and "runtest" in vars(item):
-            self.tampered = f"{item.nodeid}: runtest replaced on the item"
+        self.check_item(item)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> None:
+        self.check_item(item)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.verify()
@@ -138,9 +165,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in GUARDED_MODULES:  # loaded now, so that the baseline holds them
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
-    path = os.environ.pop("VKV_GRADE_REPORT", None)
-    if path is not None:
-        config.pluginmanager.register(Reporter(config, path), "vkv-grade-reporter")
+    fd = os.environ.pop("VKV_GRADE_REPORT_FD", None)
+    if fd is not None:
+        config.pluginmanager.register(Reporter(config, int(fd)), "vkv-grade-reporter")
 
 
 _ = builtins  # guarded by name in GUARDED_MODULES; imported so that it is in sys.modules
