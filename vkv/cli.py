@@ -1,6 +1,6 @@
 """The ``vkv`` command.
 
-    vkv grade [PATH] [--trusted TREE] [--isolate] [--hidden DIR]
+    vkv grade [PATH] [--trusted TREE] [--isolate] [--hidden DIR] [--require-sandbox]
               [--format table|json|gradescope|markdown] [--output FILE]
                                                 score a submission, per part
     vkv demo                                    watch paging and preemption on vkv-tiny
@@ -45,6 +45,7 @@ def _grade(args: argparse.Namespace, console: Console) -> int:
         hidden=Path(args.hidden).resolve() if args.hidden else None,
         reference=_reference_root(args) if args.isolate else None,
         timeout=args.timeout,
+        require_sandbox=args.require_sandbox,
         parts=Assignment.load(Path(args.trusted or args.path)).expand(args.parts)
         if args.parts
         else None,
@@ -227,6 +228,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     grade.add_argument("--output", help="write the json / gradescope / markdown form here")
     grade.add_argument("--root", help="the reference tree for --isolate (default: this package's)")
+    grade.add_argument(
+        "--require-sandbox",
+        action="store_true",
+        help="refuse to grade where bubblewrap cannot run the tests in a sandbox",
+    )
     grade.set_defaults(run=_grade)
 
     generate = commands.add_parser("generate", help="generate text with a checkpoint folder")

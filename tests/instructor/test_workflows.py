@@ -41,3 +41,10 @@ def test_the_grading_workflow_is_unprivileged_and_uses_only_base_code():
     assert "contents: read" in text and ": write" not in text
     assert "ref: ${{ github.event.pull_request.base.sha }}" in text
     assert "--trusted ." in text
+
+
+def test_the_grading_workflow_requires_the_sandbox():
+    text = (ROOT / "assignment/workflows/autograde.yml").read_text()
+    assert "apt-get install -y -qq bubblewrap" in text
+    assert "kernel.apparmor_restrict_unprivileged_userns" in text
+    assert "--require-sandbox" in text
