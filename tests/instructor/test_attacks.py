@@ -54,6 +54,11 @@ def assert_refused(result, rule: str = OUTSIDE) -> None:
     assert any(rule in reason for reason in result.not_graded.values()), result.not_graded
 
 
+def test_the_reference_scores_full_marks_in_the_sandbox(edition, bwrap):
+    result = grade(ROOT, edition, parts=PARTS, require_sandbox=True)
+    assert result.sandboxed and result.score == result.max_score == 30, result.parts
+
+
 READ_THE_REFERENCE = """
 import os, sys
 def _reference():

@@ -65,7 +65,7 @@ def available() -> bool:
     """Whether bubblewrap can build the sandbox here (it needs unprivileged user namespaces)."""
     if shutil.which("bwrap") is None:
         return False
-    probe = [*_bwrap_prefix(Path("/tmp")), "/usr/bin/true"]
+    probe = [*_bwrap_prefix(Path("/tmp")), sys.executable, "-S", "-I", "-c", "pass"]
     try:
         done = subprocess.run(probe, capture_output=True, timeout=30, env=environment())
     except (OSError, subprocess.TimeoutExpired):
@@ -91,12 +91,14 @@ def _bwrap_prefix(tree: Path) -> list[str]:
     args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-user", "--unshare-pid"]
     args += ["--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     args += ["--uid", "65534", "--gid", "65534"]
+    # /tmp first: a bind below it (a virtual environment in /tmp) must land on the new tmpfs
+    args += ["--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev"]
     for path in SYSTEM_PATHS + SYSTEM_FILES:
         args += ["--ro-bind-try", path, path]
     for prefix in _outermost({sys.base_prefix, sys.prefix, *site.getsitepackages()}):
         args += ["--ro-bind", prefix, prefix]
     args += ["--ro-bind", str(tree), SANDBOX_ROOT]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--chdir", SANDBOX_ROOT]
+    args += ["--chdir", SANDBOX_ROOT]
     return args
 
 
