@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from vkv.assignment.parts import MANIFEST, Assignment
+from vkv.config import KV_CACHE_DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +88,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         gpu_memory_fraction=args.gpu_memory_fraction,
         max_model_len=args.max_model_len,
         backend=args.backend,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
@@ -108,6 +110,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             preemption_mode=args.preemption_mode,
             max_tokens=args.max_tokens,
             live=console.is_terminal and not args.no_live,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except NotImplementedError as exc:
         if not str(exc).startswith("part "):
@@ -257,6 +260,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--max-model-len", type=int, default=2048)
     generate.add_argument("--backend", choices=["torch", "triton"])
+    generate.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default="auto",
+        help="store the KV cache quantized (int8, int4: per token and head; torch backend)",
+    )
     generate.set_defaults(run=_generate)
 
     demo = commands.add_parser(
@@ -270,6 +279,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--preemption-mode", choices=["swap", "recompute"], default="swap")
     demo.add_argument("--max-tokens", type=int, default=160, help="the longest completion")
     demo.add_argument("--no-live", action="store_true", help="print only the summary")
+    demo.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default="auto",
+        help="quantize the KV cache: the same bytes hold more blocks",
+    )
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser("bench", help="benchmarks of the runtime")

@@ -8,6 +8,14 @@ A bad value raises ``ValueError`` naming the option and what is allowed, at cons
 from dataclasses import dataclass
 from enum import Enum
 
+KV_CACHE_DTYPES = {"auto": 16, "int8": 8, "int4": 4}  # bits per stored element (Phase 3)
+
+
+def check_kv_cache_dtype(name: object) -> None:
+    if name not in KV_CACHE_DTYPES:
+        allowed = ", ".join(KV_CACHE_DTYPES)
+        raise ValueError(f"kv_cache_dtype must be one of {allowed}, got {name!r}")
+
 
 class PreemptionMode(Enum):
     """How the scheduler frees GPU blocks when a running sequence cannot grow."""
@@ -31,6 +39,7 @@ class Config:
     enable_chunked_prefill: bool = False
     preemption_mode: PreemptionMode | str = PreemptionMode.AUTO
     eos_token_id: int | None = None
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "int4" (Phase 3)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs"):
@@ -48,6 +57,7 @@ class Config:
             raise ValueError(
                 f"preemption_mode must be one of {allowed}, got {self.preemption_mode!r}"
             ) from None
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.max_num_batched_tokens is None:
             default = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
             self.max_num_batched_tokens = max(default, self.max_num_seqs)

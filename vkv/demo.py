@@ -20,8 +20,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine
+from vkv.engine.cache_engine import CacheShape
+from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine, default_device, model_dtype
 from vkv.engine.sequence import Sequence, SequenceStatus
+from vkv.models.loader import read_config
 from vkv.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -78,19 +80,30 @@ def run_demo(
     preemption_mode: str = "swap",
     max_tokens: int = 160,
     live: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> DemoSummary:
-    """Serve ``requests`` prompts and show each step; return what happened."""
+    """Serve ``requests`` prompts and show each step; return what happened.
+
+    ``gpu_blocks`` is the device pool's size in unquantized blocks: with an ``int8`` or
+    ``int4`` KV cache the same bytes hold more blocks, and the demo shows the larger pool.
+    """
     if requests < 1:
         raise ValueError(f"the demo needs at least one request, got {requests}")
     if max_tokens < 1:
         raise ValueError(f"the longest completion (--max-tokens) must be >= 1, got {max_tokens}")
+    config = read_config(model)
+    dtype = model_dtype(default_device())
+    unquantized = CacheShape(
+        config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype
+    )
     engine = LLMEngine(
         model,
         block_size=block_size,
-        num_gpu_blocks=gpu_blocks,
+        kv_cache_bytes=gpu_blocks * unquantized.block_bytes,
         num_cpu_blocks=cpu_blocks,
         preemption_mode=preemption_mode,
         max_model_len=gpu_blocks * block_size,
+        kv_cache_dtype=kv_cache_dtype,
     )
     lengths = random.Random(0)
     for i in range(requests):
@@ -209,7 +222,8 @@ def _summary_table(summary: DemoSummary, engine: LLMEngine) -> Table:
     table.add_column()
     rows = {
         "KV cache": f"{config.num_gpu_blocks} GPU blocks + {config.num_cpu_blocks} CPU blocks "
-        f"of {config.block_size} tokens, preemption by {config.preemption_mode.value}",
+        f"of {config.block_size} tokens ({config.kv_cache_dtype}), preemption by "
+        f"{config.preemption_mode.value}",
         "requests": f"{summary.requests}, finished by "
         + ", ".join(
             f"{reason} {count}" for reason, count in sorted(summary.finish_reasons.items())

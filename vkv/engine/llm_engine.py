@@ -16,7 +16,7 @@ fault: it propagates.
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral
 from pathlib import Path
 
@@ -78,6 +78,7 @@ class LLMEngine:
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = False,
         preemption_mode: str = "auto",
+        kv_cache_dtype: str = "auto",
         backend: str | None = None,
         device: str | None = None,
     ) -> None:
@@ -85,8 +86,8 @@ class LLMEngine:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if not 0.0 < gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.device = torch.device(device) if device else default_device()
+        dtype = model_dtype(self.device)
         backend = backend or ("triton" if self.device.type == "cuda" else "torch")
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend must be torch or triton, got {backend!r}")
@@ -95,13 +96,20 @@ class LLMEngine:
                 "the triton backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
                 "(Triton's interpreter, for tests); on a CPU use --backend torch"
             )
+        if backend == "triton" and kv_cache_dtype != "auto":
+            raise ValueError(
+                f"a {kv_cache_dtype} KV cache runs on the torch backend only (the Triton kernels "
+                "read 16- and 32-bit caches); use --backend torch"
+            )
         if backend == "triton":
             from vkv.kernels import triton_attention as kernels
         else:
             kernels = reference
         self.model, self.tokenizer, eos = load_checkpoint(model, dtype, self.device)
         c = self.model.config
-        shape = CacheShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype)
+        shape = CacheShape(
+            c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype
+        )
         if num_gpu_blocks is None and kv_cache_bytes is None:
             on_cuda = self.device.type == "cuda"
             kv_cache_bytes = (
@@ -119,6 +127,7 @@ class LLMEngine:
             enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode,
             eos_token_id=eos,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.scheduler = Scheduler(self.config)
         self.cache_engine = CacheEngine(
@@ -129,8 +138,8 @@ class LLMEngine:
         )
         print(
             f"vkv: KV cache of {self.config.num_gpu_blocks} blocks x {block_size} tokens "
-            f"({self.config.num_gpu_blocks * shape.block_bytes / 2**20:.1f} MiB) on {self.device}, "
-            f"{backend} attention",
+            f"({self.config.num_gpu_blocks * shape.block_bytes / 2**20:.1f} MiB"
+            f"{_capacity_note(shape)}) on {self.device}, {backend} attention",
             file=sys.stderr,
         )
         self._requests: dict[int, Sequence] = {}
@@ -270,6 +279,23 @@ class LLMEngine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def model_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the weights and of an unquantized KV cache: fp16 on CUDA, fp32 on a CPU."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def _capacity_note(shape: CacheShape) -> str:
+    """For a quantized cache: its format, and how many more blocks a byte holds than unquantized."""
+    if not shape.quantized:
+        return ""
+    plain = replace(shape, kv_cache_dtype="auto").block_bytes
+    return f", {shape.kv_cache_dtype}: {plain / shape.block_bytes:.2f}x the blocks of {shape.dtype}"
 
 
 def _is_token_id(value: object) -> bool:

@@ -4,11 +4,19 @@ Layout (vLLM's and nano-vLLM's): each layer's cache is a pair of tensors
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token slot ``s`` lives in block
 ``s // block_size`` at offset ``s % block_size``. A sequence's ``block_table`` lists its physical
 blocks in logical order, padded with -1 to the batch's widest table.
+
+A quantized cache (Phase 3: ``QuantizedCache``, INT8 or INT4 per token and head) is read and
+written through the same functions: storing quantizes the new tokens (all of them, keys and
+values, before anything is written: a token that cannot be quantized leaves the cache as it
+was), and attention dequantizes the blocks it gathers, then computes exactly as on values.
 """
 
 import threading
 
 import torch
+
+from vkv.engine.cache_engine import QuantizedCache
+from vkv.engine.quantizer import QuantizedTensor, Quantizer
 
 
 def store_kvcache(
@@ -24,8 +32,25 @@ def store_kvcache(
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    if isinstance(k_cache, QuantizedCache):
+        quantized = [
+            Quantizer(c.bits).quantize(x[keep]) for c, x in ((k_cache, key), (v_cache, value))
+        ]
+        for cache, q in zip((k_cache, v_cache), quantized, strict=True):
+            for plane, part in (
+                (cache.codes, q.codes),
+                (cache.scale, q.scale),
+                (cache.zero, q.zero),
+            ):
+                _slots(plane)[slots] = part.to(plane.dtype)
+        return
+    _slots(k_cache)[slots] = key[keep].to(k_cache.dtype)
+    _slots(v_cache)[slots] = value[keep].to(v_cache.dtype)
+
+
+def _slots(cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, block_size, ...]`` seen as ``[num_slots, ...]``."""
+    return cache.view(-1, *cache.shape[2:])
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, into: str) -> torch.Tensor:
@@ -33,10 +58,18 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, into: str) ->
 
     ``width`` is the table width times the block size; a -1 (padding) entry reads block 0, so
     callers mask every position at or past a sequence's context length. The result is a view of
-    the reusable buffer named ``into``: the next gather into the same name overwrites it.
+    the reusable buffer named ``into``: the next gather into the same name overwrites it. A
+    quantized cache is dequantized (float32) into a new tensor.
     """
     batch, num_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
+    if isinstance(cache, QuantizedCache):
+        index = block_tables.clamp(min=0).long().flatten()
+        codes, scale, zero = (
+            t.index_select(0, index) for t in (cache.codes, cache.scale, cache.zero)
+        )
+        values = Quantizer(cache.bits).dequantize(QuantizedTensor(codes, scale, zero, cache.bits))
+        return values.view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     rows = batch * num_blocks
     out = _reusable(into, rows * cache[0].numel(), cache.dtype, cache.device)
     out = out.view(rows, block_size, num_kv_heads, head_dim)

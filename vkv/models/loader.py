@@ -33,18 +33,7 @@ def load_checkpoint(
     infinite, an unreadable ``tokenizer.json``.
     """
     folder = Path(path) if path is not None else DEFAULT_MODEL
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{folder} is not a checkpoint folder: config.json is missing")
-    hf_config = _read(config_file, "JSON", lambda: json.loads(config_file.read_text()))
-    if not isinstance(hf_config, dict):
-        raise ValueError(
-            f"{config_file} is not a JSON object: it holds a {type(hf_config).__name__}"
-        )
-    try:
-        config = ModelConfig.from_hf(hf_config)
-    except KeyError as exc:
-        raise ValueError(f"{config_file} lacks the key {exc}") from None
+    config, hf_config = _read_config(folder)
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{folder} holds no *.safetensors weights")
@@ -83,6 +72,27 @@ def load_checkpoint(
     eos = hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     return model.to(device=device, dtype=dtype).eval(), tokenizer, eos
+
+
+def read_config(path: str | Path | None) -> ModelConfig:
+    """The model configuration of the checkpoint at ``path`` (None: ``DEFAULT_MODEL``), with
+    the errors of ``load_checkpoint``, without loading its weights."""
+    return _read_config(Path(path) if path is not None else DEFAULT_MODEL)[0]
+
+
+def _read_config(folder: Path) -> tuple[ModelConfig, dict]:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder} is not a checkpoint folder: config.json is missing")
+    hf_config = _read(config_file, "JSON", lambda: json.loads(config_file.read_text()))
+    if not isinstance(hf_config, dict):
+        raise ValueError(
+            f"{config_file} is not a JSON object: it holds a {type(hf_config).__name__}"
+        )
+    try:
+        return ModelConfig.from_hf(hf_config), hf_config
+    except KeyError as exc:
+        raise ValueError(f"{config_file} lacks the key {exc}") from None
 
 
 def _read(file: Path, what: str, read: Callable[[], T]) -> T:
