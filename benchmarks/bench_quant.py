@@ -230,9 +230,11 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, row in results.items():
-        ax.scatter(row["bytes_per_token"], row["bits_per_byte"])
-        ax.annotate(name, (row["bytes_per_token"], row["bits_per_byte"]), fontsize=8)
+    for index, (name, row) in enumerate(results.items()):
+        point = (row["bytes_per_token"], row["bits_per_byte"])
+        ax.scatter(*point)
+        offset = (6, 8 if index % 2 else -12)  # neighbours (int8 both ways) apart
+        ax.annotate(name, point, xytext=offset, textcoords="offset points", fontsize=8)
     ax.set_xlabel("KV bytes per token (16-bit scales counted)")
     ax.set_ylabel("held-out bits per byte")
     ax.set_title("vkv-tiny: KV-cache quantization, quality against memory")

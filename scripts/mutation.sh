@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mutation testing of the six graded modules with mutmut 3 (a dev dependency: run `uv sync`).
+# Mutation testing of the seven graded modules with mutmut 3 (a dev dependency: run `uv sync`).
 #
 #   bash scripts/mutation.sh                  fresh run (2 minutes on 2 idle cores)
 #   bash scripts/mutation.sh --resume         finish an interrupted run (checks only the
