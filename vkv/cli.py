@@ -264,7 +264,7 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         choices=list(KV_CACHE_DTYPES),
         default="auto",
-        help="store the KV cache quantized (int8, int4: per token and head; torch backend)",
+        help="store the KV cache quantized (int8, int4: per token and head)",
     )
     generate.set_defaults(run=_generate)
 

@@ -4,7 +4,8 @@ Stored tokens read back as the Quantizer's dequantized values; paged attention o
 cache equals dense attention on those dequantized values (both in float32, so to 1e-5); swaps
 and copies move each block's scales with its codes; with INT8 KV, preemption by swap or by
 recompute leaves the greedy tokens of a request unchanged (a recomputed token quantizes to the
-same codes; a swapped block keeps them); bad input changes nothing.
+same codes; a swapped block keeps them); the Triton kernels (under the interpreter on a CPU)
+store and read what the reference does; bad input changes nothing.
 """
 
 import pytest
@@ -15,7 +16,7 @@ from vkv.cli import main
 from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.engine.llm_engine import LLMEngine
 from vkv.engine.quantizer import Quantizer, bytes_per_token
-from vkv.kernels import reference
+from vkv.kernels import reference, triton_attention
 
 HEADS, DIM, BLOCK = 2, 8, 4
 
@@ -112,6 +113,56 @@ def test_paged_attention_equals_dense_attention_on_the_dequantized_values(bits):
         assert torch.allclose(out[start : start + count], expected, atol=1e-5), f"prefill {i}"
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_triton_kernels_store_and_read_what_the_reference_does(bits):
+    """Triton quantizes on store and dequantizes on load (here under the interpreter)."""
+    torch.manual_seed(10 + bits)
+    ours, theirs = quantized_engine(bits, blocks=8), quantized_engine(bits, blocks=8)
+    keys, values = torch.randn(20, HEADS, DIM) * 2, torch.randn(20, HEADS, DIM)
+    slots = torch.tensor([*range(19), -1])
+    reference.store_kvcache(keys, values, *theirs.layer(1), slots)
+    triton_attention.store_kvcache(keys, values, *ours.layer(1), slots)
+    for name, a, b in zip(
+        ("codes", "scale", "zero"), ours.gpu_planes, theirs.gpu_planes, strict=True
+    ):
+        steps = (a.float() - b.float()).abs().max()
+        assert steps <= (1 if name == "codes" else 1e-6), f"{name}: the stores differ by {steps}"
+    tables = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, -1, -1]], dtype=torch.int32)
+    lengths = torch.tensor([19, 10], dtype=torch.int32)
+    query, scale = torch.randn(2, 4, DIM), DIM**-0.5
+    caches = theirs.layer(1)
+    expected = reference.paged_decode_attention(query, *caches, tables, lengths, scale)
+    got = triton_attention.paged_decode_attention(query, *caches, tables, lengths, scale)
+    assert torch.allclose(got, expected, atol=2e-5), "decode: triton against the reference"
+    rows, cu_seqlens = torch.randn(5, 4, DIM), torch.tensor([0, 3, 5], dtype=torch.int32)
+    expected = reference.paged_prefill_attention(rows, *caches, cu_seqlens, tables, lengths, scale)
+    got = triton_attention.paged_prefill_attention(
+        rows, *caches, cu_seqlens, tables, lengths, scale
+    )
+    assert torch.allclose(got, expected, atol=2e-5), "prefill: triton against the reference"
+
+
+def test_the_triton_store_refuses_nan_before_writing():
+    engine = quantized_engine(4)
+    keys = torch.randn(2, HEADS, DIM)
+    keys[0, 1, 2] = float("inf")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        triton_attention.store_kvcache(keys, keys.clone(), *engine.layer(0), torch.tensor([0, 1]))
+    assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes), "nothing written"
+
+
+def test_int8_kv_generates_the_same_tokens_on_both_backends():
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["def fibonacci(n):\n", "import os\n"]
+    outputs = [
+        LLM(backend=backend, kv_cache_dtype="int8", block_size=16, num_gpu_blocks=16).generate(
+            prompts, params, use_progress=False
+        )
+        for backend in ("torch", "triton")
+    ]
+    assert [o["token_ids"] for o in outputs[0]] == [o["token_ids"] for o in outputs[1]]
+
+
 def test_swaps_and_copies_move_the_scales_with_the_codes():
     engine = quantized_engine(4, blocks=6, cpu_blocks=5)
     for plane in engine.gpu_planes:
@@ -153,8 +204,8 @@ def test_bad_quantized_options_are_refused():
         CacheShape(1, 4, 1, 8, torch.float32, "fp8")
     with pytest.raises(ValueError, match="needs an even head_dim, got 5"):
         CacheShape(1, 4, 1, 5, torch.float32, "int4")
-    with pytest.raises(ValueError, match="runs on the torch backend only"):
-        LLMEngine(kv_cache_dtype="int8", backend="triton", num_gpu_blocks=8)
+    with pytest.raises(ValueError, match="must be one of auto, int8, int4, got 'int2'"):
+        LLMEngine(kv_cache_dtype="int2", num_gpu_blocks=8)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

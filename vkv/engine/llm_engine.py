@@ -96,11 +96,6 @@ class LLMEngine:
                 "the triton backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
                 "(Triton's interpreter, for tests); on a CPU use --backend torch"
             )
-        if backend == "triton" and kv_cache_dtype != "auto":
-            raise ValueError(
-                f"a {kv_cache_dtype} KV cache runs on the torch backend only (the Triton kernels "
-                "read 16- and 32-bit caches); use --backend torch"
-            )
         if backend == "triton":
             from vkv.kernels import triton_attention as kernels
         else:

@@ -11,6 +11,12 @@
   maximum, sum and output. It writes each split's output and log-sum-exp. Stage 2 merges the
   splits of each (sequence, head) with log-sum-exp weights.
 
+A quantized cache (``QuantizedCache``, Phase 3) goes through the same kernels: storing
+quantizes each (token, KV head) row in its program (minimum, scale, codes; INT4 packs code
+``2i`` in the low nibble of byte ``i``), and the attention tiles load codes, scales and zeros and
+dequantize them in registers before the dot products (``_load_rows``), so a quantized block is
+read as bytes, never expanded in memory.
+
 On a CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, fp32 and fp16;
 bf16 is broken there). Tile sizes respect the GPU's minimum ``tl.dot`` shapes (16), so what
 passes on the CPU also compiles for an H200; fp32 dots use IEEE precision, not TF32.
@@ -20,7 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vkv.engine.cache_engine import QuantizedCache
+
 MIN_DOT = 16
+UNQUANTIZED = 16  # the kernels' BITS for a cache of values
 
 
 @triton.jit
@@ -53,11 +62,33 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write ``key``/``value`` ``[tokens, kv_heads, head_dim]`` into their slots (-1: skip)."""
+    """Write ``key``/``value`` ``[tokens, kv_heads, head_dim]`` into their slots (-1: skip);
+    a ``QuantizedCache`` gets each (token, head) row quantized on the fly."""
     num_tokens, num_kv_heads, head_dim = key.shape
     row = num_kv_heads * head_dim
     if key.stride(-1) != 1 or key.stride(1) != head_dim or value.stride(1) != head_dim:
         raise ValueError("key and value must be contiguous in their last two dimensions")
+    if isinstance(k_cache, QuantizedCache):
+        if not bool(torch.isfinite(key).all() and torch.isfinite(value).all()):
+            raise ValueError("cannot quantize NaN or infinite values")  # before any write
+        for rows, cache in ((key, k_cache), (value, v_cache)):
+            _store_quantized_kernel[(num_tokens, num_kv_heads)](
+                rows,
+                cache.codes,
+                cache.scale,
+                cache.zero,
+                slot_mapping,
+                rows.stride(0),
+                rows.stride(1),
+                cache.codes.stride(1),
+                cache.codes.stride(2),
+                cache.scale.stride(1),
+                cache.scale.stride(2),
+                HEAD_DIM=head_dim,
+                BLOCK_D=max(2, triton.next_power_of_2(head_dim)),
+                BITS=cache.bits,
+            )
+        return
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the caches must be contiguous")
     _store_kvcache_kernel[(num_tokens,)](
@@ -74,52 +105,138 @@ def store_kvcache(
 
 
 @triton.jit
+def _store_quantized_kernel(
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    slot_ptr,
+    stride_x_token,
+    stride_x_head,
+    stride_code_slot,
+    stride_code_head,
+    stride_scale_slot,
+    stride_scale_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """One (token, KV head) row: its minimum, scale and codes (``quantizer.py``'s formulas,
+    halves rounded up rather than to even), written to the token's slot unless it is -1."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    given = tl.load(slot_ptr + token).to(tl.int64)
+    slot = tl.maximum(given, 0)
+    row_ptr = x_ptr + token * stride_x_token + head * stride_x_head
+    dims = tl.arange(0, BLOCK_D)
+    write = (dims * 0 + given) >= 0  # -1: padding, nothing written (as a vector mask)
+    in_row = dims < HEAD_DIM
+    x = tl.load(row_ptr + dims, mask=in_row, other=0.0).to(tl.float32)
+    low = tl.min(tl.where(in_row, x, float("inf")), 0)
+    high = tl.max(tl.where(in_row, x, float("-inf")), 0)
+    levels = (1 << BITS) - 1
+    step_size = (high - low) / levels
+    step = tl.where(step_size > 0, step_size, 1.0)
+    codes_at = codes_ptr + slot * stride_code_slot + head * stride_code_head
+    if BITS == 8:
+        codes = tl.minimum(tl.maximum(tl.floor((x - low) / step + 0.5), 0.0), levels)
+        tl.store(codes_at + dims, codes.to(tl.uint8), mask=in_row & write)
+    else:
+        pairs = tl.arange(0, BLOCK_D // 2)
+        in_pairs = pairs < HEAD_DIM // 2
+        even = tl.load(row_ptr + 2 * pairs, mask=in_pairs, other=0.0).to(tl.float32)
+        odd = tl.load(row_ptr + 2 * pairs + 1, mask=in_pairs, other=0.0).to(tl.float32)
+        low_codes = tl.minimum(tl.maximum(tl.floor((even - low) / step + 0.5), 0.0), levels)
+        high_codes = tl.minimum(tl.maximum(tl.floor((odd - low) / step + 0.5), 0.0), levels)
+        packed = low_codes.to(tl.int32) | (high_codes.to(tl.int32) << 4)
+        tl.store(codes_at + pairs, packed.to(tl.uint8), mask=in_pairs & ((pairs * 0 + given) >= 0))
+    first = dims < 1  # the scale and the zero, stored through the row's first lane
+    scales_at = scale_ptr + slot * stride_scale_slot + head * stride_scale_head + dims
+    zeros_at = zero_ptr + slot * stride_scale_slot + head * stride_scale_head + dims
+    tl.store(scales_at, (x * 0 + step_size).to(scale_ptr.dtype.element_ty), mask=first & write)
+    tl.store(zeros_at, (x * 0 + low).to(zero_ptr.dtype.element_ty), mask=first & write)
+
+
+@triton.jit
 def _attend_tile(
     q,
-    k_cache_ptr,
-    v_cache_ptr,
+    k_ptr,
+    v_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
     table_ptr,
     positions,
     pos_mask,
     visible,
     dims,
     dim_mask,
-    head_offset,
-    stride_cache_block,
-    stride_cache_slot,
+    kv_head,
+    stride_block,
+    stride_slot,
+    stride_head,
+    scale_block,
+    scale_slot,
+    scale_head,
     running_max,
     running_sum,
     acc,
     scale,
     BLOCK_SIZE: tl.constexpr,
+    BITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One tile of cached tokens for the query rows ``q``: gather K and V through the block
-    table, score the ``visible`` pairs, fold them into the online softmax."""
-    blocks = tl.load(table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0)
-    rows_at = (
-        blocks.to(tl.int64) * stride_cache_block
-        + (positions % BLOCK_SIZE) * stride_cache_slot
-        + head_offset
-    )
+    table (dequantizing them if ``BITS`` is 8 or 4), score the ``visible`` pairs, fold them into
+    the online softmax. Codes and their scales have strides of their own (``_cache_args``)."""
+    blocks = tl.load(table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    slots = positions % BLOCK_SIZE
+    rows_at = blocks * stride_block + slots * stride_slot + kv_head * stride_head
+    scales_at = blocks * scale_block + slots * scale_slot + kv_head * scale_head
     kv_mask = pos_mask[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    k = _load_rows(k_ptr, k_scale_ptr, k_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS)
+    k = k.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, 1))
     correction = tl.exp(running_max - new_max)
     probs = tl.exp(scores - new_max[:, None])
     running_sum = running_sum * correction + tl.sum(probs, 1)
-    v = tl.load(v_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = _load_rows(v_ptr, v_scale_ptr, v_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS)
+    v = v.to(q.dtype)
     acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
     return new_max, running_sum, acc
 
 
 @triton.jit
+def _load_rows(cache_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS: tl.constexpr):
+    """Cached rows ``[tokens, dims]``: as stored (``BITS`` 16), or codes times scale plus zero
+    (8: a byte per code; 4: code ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in its high
+    nibble)."""
+    if BITS == 16:
+        return tl.load(cache_ptr + rows_at[:, None] + dims[None, :], mask=mask, other=0.0)
+    if BITS == 8:
+        codes = tl.load(cache_ptr + rows_at[:, None] + dims[None, :], mask=mask, other=0)
+        codes = codes.to(tl.int32)
+    else:
+        packed = tl.load(cache_ptr + rows_at[:, None] + (dims // 2)[None, :], mask=mask, other=0)
+        codes = (packed.to(tl.int32) >> ((dims % 2) * 4)[None, :]) & 0xF
+    row_mask = tl.max(mask.to(tl.int32), 1) > 0
+    scale = tl.load(scale_ptr + scales_at, mask=row_mask, other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptr + scales_at, mask=row_mask, other=0.0).to(tl.float32)
+    return codes.to(tl.float32) * scale[:, None] + zero[:, None]
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
+    k_ptr,
+    v_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
     block_tables_ptr,
     context_lens_ptr,
     mid_out_ptr,
@@ -128,9 +245,12 @@ def _decode_split_kernel(
     stride_qb,
     stride_qh,
     stride_table,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
+    stride_block,
+    stride_slot,
+    stride_head,
+    scale_block,
+    scale_slot,
+    scale_head,
     stride_mid_b,
     stride_mid_h,
     stride_mid_s,
@@ -143,6 +263,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -172,22 +293,31 @@ def _decode_split_kernel(
         pos_mask = positions < end
         running_max, running_sum, acc = _attend_tile(
             q,
-            k_cache_ptr,
-            v_cache_ptr,
+            k_ptr,
+            v_ptr,
+            k_scale_ptr,
+            k_zero_ptr,
+            v_scale_ptr,
+            v_zero_ptr,
             table_ptr,
             positions,
             pos_mask,
             pos_mask[None, :],
             dims,
             dim_mask,
-            kv_head * stride_cache_head,
-            stride_cache_block,
-            stride_cache_slot,
+            kv_head,
+            stride_block,
+            stride_slot,
+            stride_head,
+            scale_block,
+            scale_slot,
+            scale_head,
             running_max,
             running_sum,
             acc,
             scale,
             BLOCK_SIZE,
+            BITS,
             PRECISION,
         )
 
@@ -254,6 +384,19 @@ def _decode_merge_kernel(
     )
 
 
+def _cache_args(
+    k_cache: torch.Tensor | QuantizedCache, v_cache: torch.Tensor | QuantizedCache
+) -> tuple[list[torch.Tensor], list[int], int]:
+    """The kernels' cache arguments: the K and V tensors (values, or codes) and the scales and
+    zeros of K and V (for a cache of values, the values again: never read); the strides of a
+    block, a slot and a head in the codes and in the scales; the bits (``UNQUANTIZED``: 16)."""
+    if not isinstance(k_cache, QuantizedCache):
+        return [k_cache, v_cache] + [k_cache] * 4, [*k_cache.stride()[:3], 0, 0, 0], UNQUANTIZED
+    scales = [k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero]
+    strides = [*k_cache.codes.stride()[:3], *k_cache.scale.stride()[:3]]
+    return [k_cache.codes, v_cache.codes, *scales], strides, k_cache.bits
+
+
 def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """The GQA group size; ``ValueError`` unless heads group and layouts suit the kernels."""
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -276,8 +419,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K)."""
     batch, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = _check_layout(query, k_cache, v_cache)
+    caches, cache_strides, bits = _cache_args(k_cache, v_cache)
+    _, block_size, num_kv_heads, _ = caches[0].shape
+    group = _check_layout(query, caches[0], caches[1])
     if num_splits is None:
         num_splits = max(1, min(16, triton.cdiv(int(context_lens.max()), 512)))
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
@@ -287,8 +431,7 @@ def paged_decode_attention(
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query,
-        k_cache,
-        v_cache,
+        *caches,
         block_tables,
         context_lens,
         mid_out,
@@ -297,9 +440,7 @@ def paged_decode_attention(
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *cache_strides,
         mid_out.stride(0),
         mid_out.stride(1),
         mid_out.stride(2),
@@ -312,6 +453,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=max(MIN_DOT, block_n),
         NUM_SPLITS=num_splits,
+        BITS=bits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     out = torch.empty_like(query)
@@ -337,8 +479,12 @@ def paged_decode_attention(
 @triton.jit
 def _prefill_kernel(
     q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
+    k_ptr,
+    v_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
     cu_seqlens_ptr,
     block_tables_ptr,
     context_lens_ptr,
@@ -349,15 +495,19 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     stride_table,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
+    stride_block,
+    stride_slot,
+    stride_head,
+    scale_block,
+    scale_slot,
+    scale_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -390,22 +540,31 @@ def _prefill_kernel(
         visible = pos_mask[None, :] & (positions[None, :] <= q_positions[:, None])
         running_max, running_sum, acc = _attend_tile(
             q,
-            k_cache_ptr,
-            v_cache_ptr,
+            k_ptr,
+            v_ptr,
+            k_scale_ptr,
+            k_zero_ptr,
+            v_scale_ptr,
+            v_zero_ptr,
             table_ptr,
             positions,
             pos_mask,
             visible,
             dims,
             dim_mask,
-            kv_head * stride_cache_head,
-            stride_cache_block,
-            stride_cache_slot,
+            kv_head,
+            stride_block,
+            stride_slot,
+            stride_head,
+            scale_block,
+            scale_slot,
+            scale_head,
             running_max,
             running_sum,
             acc,
             scale,
             BLOCK_SIZE,
+            BITS,
             PRECISION,
         )
 
@@ -430,16 +589,16 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """See ``reference.paged_prefill_attention``."""
     _, num_heads, head_dim = query.shape
-    block_size = k_cache.shape[1]
-    group = _check_layout(query, k_cache, v_cache)
+    caches, cache_strides, bits = _cache_args(k_cache, v_cache)
+    block_size = caches[0].shape[1]
+    group = _check_layout(query, caches[0], caches[1])
     num_seqs = len(context_lens)
     longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m = max(MIN_DOT, block_m)
     out = torch.empty_like(query)
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(longest, block_m))](
         query,
-        k_cache,
-        v_cache,
+        *caches,
         cu_seqlens_q,
         block_tables,
         context_lens,
@@ -450,15 +609,14 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *cache_strides,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=max(MIN_DOT, block_n),
+        BITS=bits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     return out
