@@ -5,8 +5,11 @@ Batch 64, context 4096, 8 KV heads (32 query heads), head_dim 128, fp16, block s
 tables shuffled over the pool. Achieved bandwidth = bytes of K and V the step must read
 (batch x context x kv_heads x head_dim x 2 tensors x 2 bytes) / time. The device's bandwidth
 is measured in the same run with a 2 GiB device-to-device copy (bytes read + bytes written /
-time). Rows: the Triton split-K kernel at its default split and at a few others, and the
-PyTorch reference (which gathers every block first). Times are medians of CUDA-event timings.
+time). Rows: the Triton split-K kernel at its default split and at a few others, the PyTorch
+reference (which gathers every block first), and the Triton kernel on the same cache quantized
+to INT8 and to INT4 per token and head (Phase 3; fp16 scales and zeros), whose bytes read are
+the codes plus the scales, with its time against fp16's. Times are medians of CUDA-event
+timings.
 
     python benchmarks/bench_decode_kernel.py [--out DIR]
 
@@ -21,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from vkv.engine.cache_engine import QuantizedCache
+from vkv.engine.quantizer import Quantizer
 from vkv.kernels import reference, triton_attention
 
 BATCH, CONTEXT, KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 64, 4096, 8, 4, 128, 16
@@ -38,6 +43,12 @@ def median_ms(run, repeat: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def quantized(cache: torch.Tensor, bits: int) -> QuantizedCache:
+    """``cache`` quantized per token and head, with fp16 scales and zeros (as the engine)."""
+    q = Quantizer(bits).quantize(cache)
+    return QuantizedCache(q.codes, q.scale.half(), q.zero.half(), bits)
 
 
 def copy_bandwidth() -> float:
@@ -86,6 +97,25 @@ def main() -> int:
         lambda: reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
     )
     rows.append({"kernel": "torch reference", "ms": ms, "gb_per_s": kv_bytes / (ms / 1e3) / 1e9})
+    fp16_ms = rows[0]["ms"]
+    for bits in (8, 4):
+        k_q, v_q = (quantized(cache, bits) for cache in (k_cache, v_cache))
+        read = sum(
+            t.numel() * t.element_size() for c in (k_q, v_q) for t in (c.codes, c.scale, c.zero)
+        )
+        ms = median_ms(
+            lambda k=k_q, v=v_q: triton_attention.paged_decode_attention(
+                query, k, v, tables, lens, scale
+            )
+        )
+        rows.append(
+            {
+                "kernel": f"triton, int{bits} KV",
+                "ms": ms,
+                "gb_per_s": read / (ms / 1e3) / 1e9,
+                "speedup_over_fp16": fp16_ms / ms,
+            }
+        )
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {peak / 1e9:,.0f} GB/s")
     print(f"K/V read per step: {kv_bytes / 2**30:.2f} GiB; max |triton - torch| = {error:.2e}")
     for row in rows:
