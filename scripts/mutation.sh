@@ -8,9 +8,8 @@
 #                                             `mutmut results`, `mutmut show NAME`
 #
 # [tool.mutmut] in pyproject.toml says what is mutated (vkv/engine/{sequence,block,evictor,
-# block_manager,swapper,scheduler}.py) and which tests run (tests/test_phase1.py,
-# tests/test_phase2.py, tests/hidden/test_phase1_hidden.py; never tests/runtime or
-# tests/instructor).
+# block_manager,swapper,scheduler,quantizer}.py) and which tests run (tests/test_phase{1,2,3}.py
+# and tests/hidden/test_phase{1,3}_hidden.py; never tests/runtime or tests/instructor).
 #
 # mutmut runs in a staging copy, build/mutation/ (vkv/, tests/, pyproject.toml), never in the
 # working tree: mutmut 3 does not mutate decorated functions, so in the staging copy each
