@@ -59,6 +59,11 @@ def test_part1_bits_must_be_4_or_8(bits):
         Quantizer(bits)
 
 
+def test_part1_the_default_is_int8_per_token():
+    quantizer = Quantizer()
+    assert (quantizer.bits, quantizer.granularity, quantizer.max_code) == (8, "per_token", 255)
+
+
 def test_part1_an_unknown_granularity_is_refused():
     said = "^granularity must be one of per_token, per_channel, got 'per_block'$"
     with pytest.raises(ValueError, match=said):
@@ -86,7 +91,7 @@ def test_part1_int4_needs_an_even_last_dimension():
     with pytest.raises(
         ValueError, match=r"^INT4 packs two codes per byte: the last dimension must be even, got 5$"
     ):
-        Quantizer(4).quantize(torch.randn(3, 5))
+        Quantizer(4).quantize(torch.randn(2, 4, 5))  # the last dimension, not the second
 
 
 def test_part1_codes_scale_and_zero_per_token():
