@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of the seven graded modules with mutmut 3 (a dev dependency: run `uv sync`).
 #
-#   bash scripts/mutation.sh                  fresh run (2 minutes on 2 idle cores)
+#   bash scripts/mutation.sh                  fresh run (3 minutes on 2 idle cores)
 #   bash scripts/mutation.sh --resume         finish an interrupted run (checks only the
 #                                             mutants not yet checked)
 #   bash scripts/mutation.sh mutmut ARGS...   any mutmut command on the last run, e.g.
