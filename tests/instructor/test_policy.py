@@ -88,3 +88,6 @@ def test_a_part_that_imports_a_module_may_name_it():
     data, _ = with_body("import torch\nreturn torch.zeros(1)")
     assert check_file(BLOCK, data, EDITION, policy) is None
     assert check_file(BLOCK, data, EDITION, ASSIGNMENT.policy) is not None
+    data, _ = with_body("import torch\nreturn torch.load('tests/hidden/test_phase1_hidden.py')")
+    violation = check_file(BLOCK, data, EDITION, policy)
+    assert violation is not None and "the forbidden attribute load" in violation.rule, violation
