@@ -59,7 +59,8 @@ class Quantizer:
     def __init__(self, bits: int = 8, granularity: str = "per_token") -> None:
         """Raise ``ValueError`` for ``bits`` other than the integers 4 and 8 ("bits must be 4
         or 8, got 3"; ``8.0`` and ``True`` are not integers) or a granularity not in
-        ``GRANULARITIES``."""
+        ``GRANULARITIES`` ("granularity must be one of per_token, per_channel, got
+        'per_block'")."""
         ### BEGIN SOLUTION part3.1
         if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits!r}")
@@ -91,9 +92,11 @@ class Quantizer:
         return _decode(codes, quantized.scale, quantized.zero)
 
     def _check(self, x: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless ``x`` is a non-empty floating-point tensor of finite
-        values ("cannot quantize NaN or infinite values"), with an even last dimension for
-        INT4 ("INT4 packs two codes per byte: the last dimension must be even, got 5")."""
+        """Raise ``ValueError`` unless ``x`` is a floating-point tensor ("only a floating-point
+        tensor can be quantized"), with at least one dimension and one element ("cannot
+        quantize an empty tensor or a scalar"), of finite values ("cannot quantize NaN or
+        infinite values"), with an even last dimension for INT4 ("INT4 packs two codes per
+        byte: the last dimension must be even, got 5"). Checked in this order."""
         ### BEGIN SOLUTION part3.1
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError("only a floating-point tensor can be quantized")
@@ -139,8 +142,8 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tor
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Two 4-bit codes per byte along the last dimension: ``[..., 2n]`` uint8 codes in
     ``[0, 15]`` become ``[..., n]`` bytes, code ``2i`` in the low nibble of byte ``i`` and code
-    ``2i + 1`` in its high nibble. Raise ``ValueError`` for an odd last dimension or a code
-    above 15 ("a 4-bit code is at most 15")."""
+    ``2i + 1`` in its high nibble. Raise ``ValueError`` for an odd last dimension ("pack_int4
+    needs an even last dimension, got 3") or a code above 15 ("a 4-bit code is at most 15")."""
     ### BEGIN SOLUTION part3.2
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_int4 needs an even last dimension, got {codes.shape[-1]}")
@@ -183,7 +186,8 @@ def bytes_per_token(
     many for its values, and a scale and a zero of ``scale_bytes`` each per group: values (and
     keys per token) have one group per token and head; keys per channel have ``head_dim``
     groups per block and head, shared by the block's ``block_size`` tokens. Raise
-    ``ValueError`` for an unknown dtype or granularity.
+    ``ValueError`` for an unknown dtype ("kv_cache_dtype must be auto, int8 or int4, got
+    'fp8'") or granularity ("unknown key granularity 'per_block'").
     """
     ### BEGIN SOLUTION part3.4
     if kv_cache_dtype == "auto":
