@@ -81,6 +81,9 @@ class TestOutcome:
         return self.nodeid.startswith(HIDDEN_DIR.as_posix() + "/")
 
 
+RunResult = tuple[list[TestOutcome], str, str]  # one test process: outcomes, status, detail
+
+
 def _part_of(nodeid: str) -> str | None:
     file, _, name = nodeid.partition("::")
     return part_of_test(Path(file).name, name)
@@ -268,7 +271,7 @@ def _plan(
     return runs
 
 
-def _combine(results: list["RunResult"]) -> "RunResult":
+def _combine(results: list[RunResult]) -> RunResult:
     """One part's result from its runs: every outcome, the worst status, the first detail."""
     outcomes = [outcome for result in results for outcome in result[0]]
     statuses = [result[1] for result in results]
@@ -438,9 +441,6 @@ def _collect(base: Path, files: list[str], assignment: Assignment) -> dict[str, 
         if part in by_part:
             by_part[part].append(nodeid)
     return by_part
-
-
-RunResult = tuple[list[TestOutcome], str, str]
 
 
 def _run_all(runs: list[Run], timeout: float, sandboxed: bool) -> dict[Run, RunResult]:

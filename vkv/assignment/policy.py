@@ -98,10 +98,11 @@ def check_file(path: str, data: bytes, edition: str, policy: Policy) -> Violatio
     changed = _first_difference(text, restored)
     if changed is not None:
         return Violation(path, changed, "code outside the solution regions changed")
+    nodes = _nodes(tree)
     for region in regions:
         if region.is_stub:  # the edition's own line (its message may name ``__init__``)
             continue
-        found = _check_region(tree, region, policy)
+        found = _check_region(nodes, region, policy)
         if found is not None:
             line, rule = found
             return Violation(path, line, f"{rule} in the region of part {region.part}")
@@ -119,10 +120,12 @@ def _first_difference(text: str, expected: str) -> int | None:
     return None
 
 
-def _check_region(tree: ast.Module, region: Region, policy: Policy) -> tuple[int, str] | None:
-    """The first rule the region's code breaks, with its line."""
+def _check_region(
+    nodes: list[tuple[ast.AST, bool]], region: Region, policy: Policy
+) -> tuple[int, str] | None:
+    """The first rule the region's code breaks, with its line (``nodes``: ``_nodes``)."""
     first, last = region.begin + 2, region.end  # 1-based lines between the markers
-    inside = [node for node in _nodes(tree) if first <= getattr(node[0], "lineno", 0) <= last]
+    inside = [node for node in nodes if first <= getattr(node[0], "lineno", 0) <= last]
     forbidden = policy.forbidden_identifiers(region.part)
     allowed = policy.allowed_imports(region.part)
     for node, in_function in inside:

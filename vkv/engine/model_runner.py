@@ -69,7 +69,8 @@ class ModelRunner:
         return tensor(tokens, torch.int64), tensor(positions, torch.int64), meta
 
     def apply_block_maps(self, out: SchedulerOutput) -> None:
-        """Swap out, swap in and copy the blocks the step moves, before any of it runs."""
+        """Swap out, swap in and copy the blocks the step moves, before any of it runs; the
+        step's ``model_seconds`` start at 0 here (``execute`` may run more than once a step)."""
         self.cache_engine.apply(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         self.model_seconds = 0.0
 

@@ -69,7 +69,7 @@ def store_kvcache(
     if key.stride(-1) != 1 or key.stride(1) != head_dim or value.stride(1) != head_dim:
         raise ValueError("key and value must be contiguous in their last two dimensions")
     if isinstance(k_cache, QuantizedCache):
-        if not bool(torch.isfinite(key).all() and torch.isfinite(value).all()):
+        if not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):  # one sync
             raise ValueError("cannot quantize NaN or infinite values")  # before any write
         for rows, cache in ((key, k_cache), (value, v_cache)):
             _store_quantized_kernel[(num_tokens, num_kv_heads)](
