@@ -7,8 +7,10 @@ tables shuffled over the pool. Achieved bandwidth = bytes of K and V the step mu
 is measured in the same run with a 2 GiB device-to-device copy (bytes read + bytes written /
 time). Rows: the Triton split-K kernel at its default split and at a few others, the PyTorch
 reference (which gathers every block first), and the Triton kernel on the same cache quantized
-to INT8 and to INT4 per token and head (Phase 3; fp16 scales and zeros), whose bytes read are
-the codes plus the scales, with its time against fp16's. Times are medians of CUDA-event
+to INT8 and to INT4 per token and head (Phase 3; fp16 scales and zeros), and with keys per
+channel (KIVI: a scale and zero per block, head and channel; every block full, so none is read
+from the residual), whose bytes read are the codes plus the scales, with its time against
+fp16's. Times are medians of CUDA-event
 timings.
 
     python benchmarks/bench_decode_kernel.py [--out DIR]
@@ -49,6 +51,19 @@ def quantized(cache: torch.Tensor, bits: int) -> QuantizedCache:
     """``cache`` quantized per token and head, with fp16 scales and zeros (as the engine)."""
     q = Quantizer(bits).quantize(cache)
     return QuantizedCache(q.codes, q.scale.half(), q.zero.half(), bits)
+
+
+def channel_keys(cache: torch.Tensor, bits: int) -> QuantizedCache:
+    """Keys quantized per channel over each block (the engine's format once a block is full),
+    with an empty residual: no block is partial."""
+    q = Quantizer(bits, "per_channel").quantize(cache.transpose(0, 1))  # the block's tokens first
+    scale, zero = (t.transpose(0, 1).half() for t in (q.scale, q.zero))
+    residual = torch.zeros_like(cache[:1])
+    none_partial = torch.full((len(cache),), -1, dtype=torch.int32, device=cache.device)
+    codes = q.codes.transpose(0, 1).contiguous()
+    return QuantizedCache(
+        codes, scale.contiguous(), zero.contiguous(), bits, residual, none_partial
+    )
 
 
 def copy_bandwidth() -> float:
@@ -98,8 +113,14 @@ def main() -> int:
     )
     rows.append({"kernel": "torch reference", "ms": ms, "gb_per_s": kv_bytes / (ms / 1e3) / 1e9})
     fp16_ms = rows[0]["ms"]
-    for bits in (8, 4):
-        k_q, v_q = (quantized(cache, bits) for cache in (k_cache, v_cache))
+    for bits, keys in (
+        (8, "per token"),
+        (4, "per token"),
+        (8, "keys per channel"),
+        (4, "keys per channel"),
+    ):
+        k_q = quantized(k_cache, bits) if keys == "per token" else channel_keys(k_cache, bits)
+        v_q = quantized(v_cache, bits)
         read = sum(
             t.numel() * t.element_size() for c in (k_q, v_q) for t in (c.codes, c.scale, c.zero)
         )
@@ -110,7 +131,7 @@ def main() -> int:
         )
         rows.append(
             {
-                "kernel": f"triton, int{bits} KV",
+                "kernel": f"triton, int{bits} KV, {keys}",
                 "ms": ms,
                 "gb_per_s": read / (ms / 1e3) / 1e9,
                 "speedup_over_fp16": fp16_ms / ms,

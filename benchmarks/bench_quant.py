@@ -6,10 +6,9 @@ vkv-tiny's corpus (``scripts/train_vkv_tiny.py``'s path hash over this Python's 
 library):
 
 - held-out bits per byte, teacher-forced over whole windows: each window is prefilled through
-  the paged cache, so attention reads every key and value (its own included) as the cache
-  stores it, dequantized. Per-channel keys are quantized per full block of the window (the
-  engine does not store them yet; a cache would keep the newest partial block in full
-  precision, KIVI's residual; the windows here are whole blocks);
+  the engine's paged cache, so attention reads every key and value (its own included) as the
+  cache stores it, dequantized (the windows are whole blocks, so keys per channel are all
+  quantized: none waits in the residual);
 - bytes per token (a 16-bit model: 16-bit values, or codes with 16-bit scales and zeros) and
   blocks of 16 tokens in a 256 MiB budget;
 - greedy agreement with the unquantized cache: 32 held-out prompts of 64 bytes, 256 generated
@@ -31,7 +30,6 @@ import math
 import sysconfig
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from rich.console import Console
@@ -39,7 +37,7 @@ from rich.table import Table
 
 from vkv import LLM, SamplingParams
 from vkv.engine.cache_engine import CacheEngine, CacheShape
-from vkv.engine.quantizer import Quantizer, bytes_per_token
+from vkv.engine.quantizer import bytes_per_token
 from vkv.kernels import reference
 from vkv.models.qwen3 import AttentionMetadata
 
@@ -66,24 +64,6 @@ def held_out_stream() -> torch.Tensor:
     return held_out
 
 
-def per_channel_backend(bits: int) -> SimpleNamespace:
-    """The reference kernels over an unquantized cache whose stored keys are quantized per
-    channel over each block of ``BLOCK`` tokens, and values per token (dequantized values)."""
-    keys_q, values_q = Quantizer(bits, "per_channel"), Quantizer(bits, "per_token")
-
-    def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
-        blocks = key.view(-1, BLOCK, *key.shape[1:])  # a prefill of whole blocks, in order
-        keys = torch.cat([keys_q.dequantize(keys_q.quantize(block)) for block in blocks])
-        values = values_q.dequantize(values_q.quantize(value))
-        reference.store_kvcache(keys, values, k_cache, v_cache, slot_mapping)
-
-    return SimpleNamespace(
-        store_kvcache=store_kvcache,
-        paged_prefill_attention=reference.paged_prefill_attention,
-        paged_decode_attention=reference.paged_decode_attention,
-    )
-
-
 @torch.inference_mode()
 def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str) -> float:
     """Teacher-forced next-token loss over ``windows`` [n, WINDOW + 1], in bits per byte."""
@@ -97,10 +77,11 @@ def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str) -> float:
             config.num_kv_heads,
             config.head_dim,
             torch.float32,
-            kv if keys == "per_token" else "auto",
+            kv,
+            keys,
         )
-        cache = CacheEngine(shape, len(batch) * per_window, 0, torch.device("cpu"))
-        backend = reference if keys == "per_token" else per_channel_backend(int(kv[3:]))
+        cache = CacheEngine(shape, len(batch) * per_window, 0, torch.device("cpu"), len(batch))
+        cache.plan_step(list(range(len(batch) * WINDOW)))
         tables = torch.arange(len(batch) * per_window, dtype=torch.int32).view(len(batch), -1)
         meta = AttentionMetadata(
             is_prefill=True,
@@ -111,7 +92,7 @@ def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str) -> float:
         )
         positions = torch.arange(WINDOW).repeat(len(batch))
         caches = [cache.layer(i) for i in range(config.num_layers)]
-        logits = model(batch[:, :-1].flatten(), positions, caches, meta, backend)
+        logits = model(batch[:, :-1].flatten(), positions, caches, meta, reference)
         total += torch.nn.functional.cross_entropy(
             logits.float(), batch[:, 1:].flatten(), reduction="sum"
         ).item()
@@ -119,12 +100,18 @@ def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str) -> float:
 
 
 def generate_all(prompts: list[list[int]], rounds: int) -> dict[str, tuple[list[list[int]], float]]:
-    """Each engine format's greedy completions and its fastest decode speed (tokens per
-    second) over ``rounds`` interleaved runs, after one warm-up run each."""
+    """Each format's greedy completions and its fastest decode speed (tokens per second) over
+    ``rounds`` interleaved runs, after one warm-up run each."""
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     engines = {
-        kv: LLM(kv_cache_dtype=kv, block_size=BLOCK, num_gpu_blocks=1024, max_num_seqs=64)
-        for kv in ("auto", "int8", "int4")
+        name: LLM(
+            kv_cache_dtype=kv,
+            key_granularity=keys,
+            block_size=BLOCK,
+            num_gpu_blocks=1024,
+            max_num_seqs=64,
+        )
+        for name, (kv, keys) in FORMATS.items()
     }
     tokens: dict[str, list[list[int]]] = {}
     fastest = dict.fromkeys(engines, 0.0)
@@ -167,7 +154,7 @@ def main() -> None:
     llm = LLM(block_size=BLOCK, num_gpu_blocks=8)
     config = llm.engine.model.config
     generated = generate_all(prompts, args.rounds)
-    base_tokens, base_speed = generated["auto"]
+    base_tokens, base_speed = generated["16-bit"]
     results = {}
     for name, (kv, keys) in FORMATS.items():
         cost = bytes_per_token(
@@ -178,15 +165,14 @@ def main() -> None:
             "bytes_per_token": cost,
             "blocks_in_256MiB": int(BUDGET // (cost * BLOCK)),  # 16-bit model and scales
         }
-        if keys == "per_token":
-            tokens, speed = generated[kv]
-            share, same = agreement(tokens, base_tokens)
-            row |= {
-                "greedy_prefix_agreement": round(share, 4),
-                "greedy_identical": f"{same}/{len(prompts)}",
-                "decode_tokens_per_s": round(speed, 1),
-                "decode_speed_ratio": round(speed / base_speed, 3),
-            }
+        tokens, speed = generated[name]
+        share, same = agreement(tokens, base_tokens)
+        row |= {
+            "greedy_prefix_agreement": round(share, 4),
+            "greedy_identical": f"{same}/{len(prompts)}",
+            "decode_tokens_per_s": round(speed, 1),
+            "decode_speed_ratio": round(speed / base_speed, 3),
+        }
         results[name] = row
     base = results["16-bit"]
     for row in results.values():

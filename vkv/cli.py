@@ -23,6 +23,7 @@ from rich.markup import escape
 
 from vkv.assignment.parts import MANIFEST, Assignment
 from vkv.config import KV_CACHE_DTYPES
+from vkv.engine.quantizer import GRANULARITIES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +90,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         max_model_len=args.max_model_len,
         backend=args.backend,
         kv_cache_dtype=args.kv_cache_dtype,
+        key_granularity=args.key_granularity,
     )
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
@@ -111,6 +113,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             max_tokens=args.max_tokens,
             live=console.is_terminal and not args.no_live,
             kv_cache_dtype=args.kv_cache_dtype,
+            key_granularity=args.key_granularity,
         )
     except NotImplementedError as exc:
         if not str(exc).startswith("part "):
@@ -209,6 +212,16 @@ def _reference_root(args: argparse.Namespace) -> Path:
     return root
 
 
+def _key_granularity_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--key-granularity",
+        choices=list(GRANULARITIES),
+        default="per_token",
+        help="with int8 / int4: quantize keys per token and head, or per channel over each block "
+        "(KIVI: a block's keys wait in full precision until it fills)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vkv", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -266,6 +279,7 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="store the KV cache quantized (int8, int4: per token and head)",
     )
+    _key_granularity_option(generate)
     generate.set_defaults(run=_generate)
 
     demo = commands.add_parser(
@@ -285,6 +299,7 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="quantize the KV cache: the same bytes hold more blocks",
     )
+    _key_granularity_option(demo)
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser("bench", help="benchmarks of the runtime")

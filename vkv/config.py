@@ -8,6 +8,8 @@ A bad value raises ``ValueError`` naming the option and what is allowed, at cons
 from dataclasses import dataclass
 from enum import Enum
 
+from vkv.engine.quantizer import GRANULARITIES
+
 KV_CACHE_DTYPES = {"auto": 16, "int8": 8, "int4": 4}  # bits per stored element (Phase 3)
 
 
@@ -15,6 +17,15 @@ def check_kv_cache_dtype(name: object) -> None:
     if name not in KV_CACHE_DTYPES:
         allowed = ", ".join(KV_CACHE_DTYPES)
         raise ValueError(f"kv_cache_dtype must be one of {allowed}, got {name!r}")
+
+
+def check_key_granularity(name: object, kv_cache_dtype: str) -> None:
+    """A quantized cache's keys are grouped per token or per channel (KIVI's; Phase 3)."""
+    if name not in GRANULARITIES:
+        allowed = ", ".join(GRANULARITIES)
+        raise ValueError(f"key_granularity must be one of {allowed}, got {name!r}")
+    if name == "per_channel" and kv_cache_dtype == "auto":
+        raise ValueError("keys per channel need a quantized KV cache (kv_cache_dtype int8 or int4)")
 
 
 class PreemptionMode(Enum):
@@ -40,6 +51,7 @@ class Config:
     preemption_mode: PreemptionMode | str = PreemptionMode.AUTO
     eos_token_id: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "int4" (Phase 3)
+    key_granularity: str = "per_token"  # quantized keys "per_token" or "per_channel" (KIVI)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs"):
@@ -58,6 +70,7 @@ class Config:
                 f"preemption_mode must be one of {allowed}, got {self.preemption_mode!r}"
             ) from None
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_key_granularity(self.key_granularity, self.kv_cache_dtype)
         if self.max_num_batched_tokens is None:
             default = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
             self.max_num_batched_tokens = max(default, self.max_num_seqs)

@@ -81,11 +81,14 @@ def run_demo(
     max_tokens: int = 160,
     live: bool = True,
     kv_cache_dtype: str = "auto",
+    key_granularity: str = "per_token",
 ) -> DemoSummary:
     """Serve ``requests`` prompts and show each step; return what happened.
 
     ``gpu_blocks`` is the device pool's size in unquantized blocks: with an ``int8`` or
-    ``int4`` KV cache the same bytes hold more blocks, and the demo shows the larger pool.
+    ``int4`` KV cache the same bytes hold more blocks, and the demo shows the larger pool
+    (keys per channel: less the key residual, one full-precision block per request and one
+    more while a block fills).
     """
     if requests < 1:
         raise ValueError(f"the demo needs at least one request, got {requests}")
@@ -103,7 +106,9 @@ def run_demo(
         num_cpu_blocks=cpu_blocks,
         preemption_mode=preemption_mode,
         max_model_len=gpu_blocks * block_size,
+        max_num_seqs=requests,
         kv_cache_dtype=kv_cache_dtype,
+        key_granularity=key_granularity,
     )
     lengths = random.Random(0)
     for i in range(requests):

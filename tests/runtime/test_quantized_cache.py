@@ -1,11 +1,14 @@
-"""The quantized paged KV cache (Phase 3 in the runtime): INT8 and INT4, per token and head.
+"""The quantized paged KV cache (Phase 3 in the runtime): INT8 and INT4, per token and head,
+and keys per channel (KIVI) with their full-precision residual.
 
 Stored tokens read back as the Quantizer's dequantized values; paged attention on a quantized
 cache equals dense attention on those dequantized values (both in float32, so to 1e-5); swaps
 and copies move each block's scales with its codes; with INT8 KV, preemption by swap or by
 recompute leaves the greedy tokens of a request unchanged (a recomputed token quantizes to the
 same codes; a swapped block keeps them); the Triton kernels (under the interpreter on a CPU)
-store and read what the reference does; bad input changes nothing.
+store and read what the reference does; bad input changes nothing. Keys per channel: a partial
+block's keys read back exactly (the residual), a filled block's as the per-channel round trip of
+its tokens; the residual follows its block through swaps and copies and gives its slots back.
 """
 
 import pytest
@@ -19,6 +22,7 @@ from vkv.engine.quantizer import Quantizer, bytes_per_token
 from vkv.kernels import reference, triton_attention
 
 HEADS, DIM, BLOCK = 2, 8, 4
+PLANES = ("codes", "key scale", "key zero", "value scale", "value zero")
 
 
 def quantized_engine(bits: int, blocks: int = 6, cpu_blocks: int = 4) -> CacheEngine:
@@ -122,9 +126,7 @@ def test_the_triton_kernels_store_and_read_what_the_reference_does(bits):
     slots = torch.tensor([*range(19), -1])
     reference.store_kvcache(keys, values, *theirs.layer(1), slots)
     triton_attention.store_kvcache(keys, values, *ours.layer(1), slots)
-    for name, a, b in zip(
-        ("codes", "scale", "zero"), ours.gpu_planes, theirs.gpu_planes, strict=True
-    ):
+    for name, a, b in zip(PLANES, ours.gpu_planes, theirs.gpu_planes, strict=True):
         steps = (a.float() - b.float()).abs().max()
         assert steps <= (1 if name == "codes" else 1e-6), f"{name}: the stores differ by {steps}"
     tables = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, -1, -1]], dtype=torch.int32)
@@ -151,13 +153,18 @@ def test_the_triton_store_refuses_nan_before_writing():
     assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes), "nothing written"
 
 
-def test_int8_kv_generates_the_same_tokens_on_both_backends():
+@pytest.mark.parametrize("keys", ["per_token", "per_channel"])
+def test_int8_kv_generates_the_same_tokens_on_both_backends(keys):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["def fibonacci(n):\n", "import os\n"]
     outputs = [
-        LLM(backend=backend, kv_cache_dtype="int8", block_size=16, num_gpu_blocks=16).generate(
-            prompts, params, use_progress=False
-        )
+        LLM(
+            backend=backend,
+            kv_cache_dtype="int8",
+            key_granularity=keys,
+            block_size=4,
+            num_gpu_blocks=16,
+        ).generate(prompts, params, use_progress=False)
         for backend in ("torch", "triton")
     ]
     assert [o["token_ids"] for o in outputs[0]] == [o["token_ids"] for o in outputs[1]]
@@ -173,7 +180,7 @@ def test_swaps_and_copies_move_the_scales_with_the_codes():
         plane.zero_()
     engine.swap_in({0: 2, 3: 5})
     engine.copy({2: [0]})
-    for name, plane, old in zip(("codes", "scale", "zero"), engine.gpu_planes, before, strict=True):
+    for name, plane, old in zip(PLANES, engine.gpu_planes, before, strict=True):
         assert torch.equal(plane[:, :, 2], old[:, :, 4]), f"{name} of block 4 came back to 2"
         assert torch.equal(plane[:, :, 5], old[:, :, 1]), f"{name} of block 1 came back to 5"
         assert torch.equal(plane[:, :, 0], old[:, :, 4]), f"{name} copied on write to 0"
@@ -233,3 +240,225 @@ def test_generate_takes_a_kv_cache_dtype(capsys):
     with pytest.raises(SystemExit) as refused:  # argparse: a choice outside the list
         main([*argv, "--kv-cache-dtype", "fp8"])
     assert refused.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+# Keys per channel (KIVI): the residual holds a partial block's keys until the block fills.
+
+
+def channel_engine(bits: int, blocks: int = 8, cpu_blocks: int = 4, slots: int = 4) -> CacheEngine:
+    shape = CacheShape(2, BLOCK, HEADS, DIM, torch.float32, f"int{bits}", "per_channel")
+    return CacheEngine(shape, blocks, cpu_blocks, torch.device("cpu"), residual_slots=slots)
+
+
+def store(engine: CacheEngine, keys, values, slots: list[int], backend=reference) -> None:
+    """One step: plan the key writes for ``slots``, then store every layer."""
+    engine.plan_step(slots)
+    for layer in range(2):
+        backend.store_kvcache(keys, values, *engine.layer(layer), torch.tensor(slots))
+
+
+def read_keys(engine: CacheEngine, table: list[int], layer: int = 1) -> torch.Tensor:
+    """The keys attention reads through ``table``: ``[tokens, heads, dim]``."""
+    keys = reference.gather_blocks(engine.layer(layer)[0], torch.tensor([table]), into="keys")
+    return keys[0].transpose(0, 1)
+
+
+def channel_round_trip(keys: torch.Tensor, bits: int) -> torch.Tensor:
+    quantizer = Quantizer(bits, "per_channel")
+    return quantizer.dequantize(quantizer.quantize(keys))
+
+
+def slots_of(table: list[int], start: int, end: int) -> list[int]:
+    return [table[i // BLOCK] * BLOCK + i % BLOCK for i in range(start, end)]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_keys_per_channel_wait_in_full_precision_until_their_block_fills(bits):
+    engine = channel_engine(bits)
+    table = [3, 1, 6]
+    keys, values = torch.randn(10, HEADS, DIM) * 3, torch.randn(10, HEADS, DIM)
+    store(engine, keys[:3], values[:3], slots_of(table, 0, 3))  # block 3 partial
+    assert torch.equal(read_keys(engine, table)[:3], keys[:3]), "a partial block reads exactly"
+    store(engine, keys[3:4], values[3:4], slots_of(table, 3, 4))  # fills block 3
+    expected = channel_round_trip(keys[:4], bits)
+    assert torch.equal(read_keys(engine, table)[:4], expected), (
+        "a filled block reads as the per-channel round trip of its four tokens"
+    )
+    engine.apply({}, {}, {})
+    assert engine.residual.num_used == 0, "the filled block gave its slot back at the next step"
+    store(engine, keys[4:10], values[4:10], slots_of(table, 4, 10))  # fills 1, leaves 6 partial
+    read = read_keys(engine, table)
+    assert torch.equal(read[4:8], channel_round_trip(keys[4:8], bits)), "filled straight away"
+    assert torch.equal(read[8:10], keys[8:10]), "the new partial block reads exactly"
+    assert torch.equal(read[:4], expected), "earlier blocks are unchanged"
+    values_back = reference.gather_blocks(engine.layer(1)[1], torch.tensor([table]), "values")
+    assert torch.equal(values_back[0].transpose(0, 1)[:10], round_trip(values, bits)), (
+        "values stay per token"
+    )
+    assert engine.residual.num_used == 1
+
+
+def test_a_step_that_runs_again_reads_the_same_keys():
+    """``LLMEngine`` re-runs a failed batch: planning and storing twice changes nothing."""
+    engine = channel_engine(8)
+    table = [2, 5]
+    keys, values = torch.randn(7, HEADS, DIM), torch.randn(7, HEADS, DIM)
+    store(engine, keys[:3], values[:3], slots_of(table, 0, 3))
+    engine.apply({}, {}, {})
+    store(engine, keys[3:7], values[3:7], slots_of(table, 3, 7))
+    once = read_keys(engine, table)[:7].clone()
+    store(engine, keys[3:7], values[3:7], slots_of(table, 3, 7))
+    assert torch.equal(read_keys(engine, table)[:7], once)
+
+
+def test_a_block_written_past_offset_zero_without_a_residual_is_an_error():
+    engine = channel_engine(8)
+    with pytest.raises(RuntimeError, match="block 2 is written from offset 1 but holds no key"):
+        engine.plan_step([9])
+
+
+def test_a_freed_partial_block_gives_its_slot_back_and_a_new_owner_starts_afresh():
+    engine = channel_engine(8, slots=2)
+    keys, values = torch.randn(6, HEADS, DIM), torch.randn(6, HEADS, DIM)
+    store(engine, keys[:2], values[:2], [4, 5])  # block 1, partial
+    store(engine, keys[2:4], values[2:4], [8, 9])  # block 2, partial
+    assert engine.residual.num_used == 2
+    engine.apply({}, {}, {}, held=lambda block: block != 1)  # block 1's owner freed it
+    assert engine.residual.num_used == 1
+    store(engine, keys[4:5], values[4:5], [12])  # block 3 takes the slot given back
+    store(engine, keys[5:6], values[5:6], [8])  # block 2 reused from offset 0: no stale rows
+    assert torch.equal(read_keys(engine, [2])[0], keys[5])
+    assert engine.residual.num_used == 2
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_residual_follows_its_block_through_swaps_and_copies(bits):
+    engine = channel_engine(bits, blocks=8, cpu_blocks=4)
+    keys, values = torch.randn(6, HEADS, DIM) * 2, torch.randn(6, HEADS, DIM)
+    store(engine, keys, values, slots_of([4, 5], 0, 6))  # block 4 full, block 5 partial
+    engine.swap_out({4: 0, 5: 1})
+    assert engine.residual.num_used == 0, "the partial block's rows went to the CPU"
+    store(engine, torch.randn(4, HEADS, DIM), torch.randn(4, HEADS, DIM), [20, 21, 22, 23])
+    engine.swap_in({0: 6, 1: 7})  # back into other blocks
+    engine.plan_step(slots_of([6, 7], 6, 7))  # the next token goes to block 7, offset 2
+    assert torch.equal(
+        read_keys(engine, [6, 7])[:6, :], torch.cat((channel_round_trip(keys[:4], bits), keys[4:6]))
+    ), "a swapped block came back with its codes, scales and residual rows"
+    engine.copy({7: [2]})  # copy-on-write of the partial block
+    engine.plan_step(slots_of([6, 2], 6, 7))
+    assert torch.equal(read_keys(engine, [6, 2])[4:6], keys[4:6]), "the copy has the rows too"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_paged_attention_with_keys_per_channel_equals_dense_attention(bits):
+    torch.manual_seed(20 + bits)
+    engine = channel_engine(bits, blocks=8)
+    tables, lengths = [[3, 0, 5], [6, 1, -1]], [11, 6]
+    stored = []
+    for table, length in zip(tables, lengths, strict=True):
+        keys, values = torch.randn(length, HEADS, DIM) * 2, torch.randn(length, HEADS, DIM)
+        store(engine, keys, values, slots_of(table, 0, length))
+        full = length // BLOCK * BLOCK
+        expected_keys = torch.cat(
+            (
+                channel_round_trip(keys[:full].view(-1, BLOCK, HEADS, DIM).transpose(0, 1), bits)
+                .transpose(0, 1)
+                .reshape(full, HEADS, DIM),
+                keys[full:],
+            )
+        )
+        stored.append((expected_keys, round_trip(values, bits)))
+    engine.plan_step(slots_of(tables[0], 10, 11) + slots_of(tables[1], 5, 6))  # both partial
+    k_cache, v_cache = engine.layer(1)
+    scale, query = DIM**-0.5, torch.randn(2, 4, DIM)
+    out = reference.paged_decode_attention(
+        query, k_cache, v_cache, torch.tensor(tables), torch.tensor(lengths), scale
+    )
+    for i, (keys, values) in enumerate(stored):
+        expected = dense(query[i : i + 1], keys, values, scale)[0]
+        assert torch.allclose(out[i], expected, atol=1e-5), f"decode, sequence {i}"
+    rows, cu_seqlens = torch.randn(5, 4, DIM), torch.tensor([0, 3, 5])
+    out = reference.paged_prefill_attention(
+        rows, k_cache, v_cache, cu_seqlens, torch.tensor(tables), torch.tensor(lengths), scale
+    )
+    for i, ((keys, values), start, count) in enumerate(zip(stored, (0, 3), (3, 2), strict=True)):
+        expected = dense(rows[start : start + count], keys, values, scale, lengths[i] - count)
+        assert torch.allclose(out[start : start + count], expected, atol=1e-5), f"prefill {i}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_triton_kernels_handle_keys_per_channel_as_the_reference_does(bits):
+    torch.manual_seed(30 + bits)
+    ours, theirs = channel_engine(bits), channel_engine(bits)
+    keys, values = torch.randn(18, HEADS, DIM) * 2, torch.randn(18, HEADS, DIM)
+    slots = slots_of([0, 1, 2], 0, 11) + slots_of([5, 6], 0, 7)
+    store(theirs, keys, values, slots)
+    store(ours, keys, values, slots, backend=triton_attention)
+    for name, a, b in zip(PLANES, ours.gpu_planes, theirs.gpu_planes, strict=True):
+        steps = (a.float() - b.float()).abs().max()
+        assert steps <= (1 if name == "codes" else 1e-6), f"{name}: the stores differ by {steps}"
+    assert torch.equal(ours.residual.keys, theirs.residual.keys)
+    tables = torch.tensor([[0, 1, 2], [5, 6, -1]], dtype=torch.int32)
+    lengths = torch.tensor([11, 7], dtype=torch.int32)
+    caches = theirs.layer(0)
+    query, scale = torch.randn(2, 4, DIM), DIM**-0.5
+    expected = reference.paged_decode_attention(query, *caches, tables, lengths, scale)
+    got = triton_attention.paged_decode_attention(query, *caches, tables, lengths, scale)
+    assert torch.allclose(got, expected, atol=2e-5), "decode: triton against the reference"
+    rows, cu_seqlens = torch.randn(5, 4, DIM), torch.tensor([0, 3, 5], dtype=torch.int32)
+    expected = reference.paged_prefill_attention(rows, *caches, cu_seqlens, tables, lengths, scale)
+    got = triton_attention.paged_prefill_attention(
+        rows, *caches, cu_seqlens, tables, lengths, scale
+    )
+    assert torch.allclose(got, expected, atol=2e-5), "prefill: triton against the reference"
+
+
+@pytest.mark.parametrize("backend", [reference, triton_attention])
+def test_a_nan_key_per_channel_leaves_cache_and_residual_as_they_were(backend):
+    engine = channel_engine(8)
+    keys = torch.randn(5, HEADS, DIM)
+    keys[4, 0, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        store(engine, keys, torch.randn(5, HEADS, DIM), list(range(5)), backend)
+    assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes)
+    assert engine.residual.keys.abs().sum() == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_swap_preemption_with_keys_per_channel_gives_the_tokens_of_an_ample_pool(bits):
+    """A swap moves codes, scales and residual rows exactly. (Recompute is not exact with keys
+    per channel: a recomputed token attends to its own block quantized, where it first read it
+    in full precision; it must still serve every request and hand every slot back.)"""
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    options = {"kv_cache_dtype": f"int{bits}", "key_granularity": "per_channel", "block_size": 4}
+    ample = LLM(num_gpu_blocks=128, **options)
+    expected = [o["token_ids"] for o in ample.generate(prompts, params, use_progress=False)]
+    for mode in ("swap", "recompute"):
+        tight = LLM(num_gpu_blocks=16, num_cpu_blocks=32, preemption_mode=mode, **options)
+        got = [o["token_ids"] for o in tight.generate(prompts, params, use_progress=False)]
+        assert tight.engine.scheduler.num_preemptions > 0, "the tight pool must preempt"
+        assert all(len(tokens) == 40 for tokens in got)
+        if mode == "swap":
+            assert got == expected, "preemption by swap changed the tokens"
+        residual = tight.engine.cache_engine.residual
+        residual.release_unheld(lambda block: False)  # every request is done: nothing is held
+        assert residual.num_used == 0
+
+
+def test_keys_per_channel_are_an_option_of_the_cli_and_of_the_budget(capsys):
+    argv = ["generate", "def", "--max-tokens", "4", "--temperature", "0"]
+    assert main([*argv, "--kv-cache-dtype", "int8", "--key-granularity", "per_channel"]) == 0
+    assert "int8, keys per channel:" in capsys.readouterr().err
+    assert main([*argv, "--key-granularity", "per_channel"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: keys per channel need a quantized KV cache (kv_cache_dtype int8 or int4)"
+    ], err
+    shape = CacheShape(4, 16, 4, 32, torch.float16, "int4", "per_channel")
+    assert shape.block_bytes == 16 * bytes_per_token(4, 4, 32, "int4", "per_channel", 16)
+    assert shape.residual_bytes(3) == 3 * 16 * 4 * 4 * 32 * 2, "full-precision keys, every layer"
+    with pytest.raises(ValueError, match="key_granularity must be one of per_token, per_channel"):
+        CacheShape(1, 4, 1, 8, torch.float32, "int8", "per_block")
+    with pytest.raises(ValueError, match=r"the key residual .* fills the KV budget"):
+        LLMEngine(kv_cache_dtype="int8", key_granularity="per_channel", kv_cache_bytes=4096)

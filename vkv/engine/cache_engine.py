@@ -10,34 +10,55 @@ Each step, before the model runs, the engine applies the step's maps, in this or
 ``swap_out {gpu: cpu}``, ``swap_in {cpu: gpu}``, ``copy {src: [dst, ...]}`` (copy-on-write).
 
 With ``kv_cache_dtype`` ``"int8"`` or ``"int4"`` (Phase 3) a block holds codes instead of
-values: three tensors, each with the same leading ``[2, num_layers, num_blocks, block_size,
-kv_heads]``: the codes (uint8, ``head_dim`` bytes for INT8, ``head_dim / 2`` for INT4), and one
-scale and one zero per token and head (LMDeploy's granularity, in the model's dtype). The same
-block tables address all three, and every swap and copy moves all three: a block's scales
-travel with its codes. ``layer(i)`` then hands the kernels a ``QuantizedCache`` for the keys and
-one for the values; storing quantizes each token as it is written, attention dequantizes what
-it reads. Keys per channel (KIVI) are not stored this way yet: they need a whole block's tokens
-before its grid is known.
+values, in five tensors (*planes*) whose third dimension is the block:
+
+- the codes ``[2, num_layers, num_blocks, block_size, kv_heads, head_dim * bits / 8]`` (uint8);
+- the keys' scale and zero ``[1, num_layers, num_blocks, block_size, kv_heads, 1]`` per token
+  and head (LMDeploy's granularity), or, with ``key_granularity="per_channel"`` (KIVI's),
+  ``[1, num_layers, num_blocks, 1, kv_heads, head_dim]``: one per channel, shared by the block;
+- the values' scale and zero ``[1, num_layers, num_blocks, block_size, kv_heads, 1]``.
+
+Scales and zeros are in the model's dtype. The same block tables address every plane, and every
+swap and copy moves every plane: a block's scales travel with its codes. ``layer(i)`` hands the
+kernels a ``QuantizedCache`` for the keys and one for the values; storing quantizes each token
+as it is written, attention dequantizes what it reads. Keys per channel need a whole block before
+its grid is known: a partial block's keys wait in full precision in a ``KeyResidual``
+(``key_residual.py``), which the same swaps and copies keep with their blocks.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from vkv.config import KV_CACHE_DTYPES, check_kv_cache_dtype
+from vkv.config import KV_CACHE_DTYPES, check_key_granularity, check_kv_cache_dtype
+from vkv.engine.key_residual import KeyPlan, KeyResidual
 from vkv.engine.quantizer import bytes_per_token
 
 
 @dataclass(slots=True, frozen=True)
 class QuantizedCache:
-    """One layer's keys or values, quantized per token: ``codes [num_blocks, block_size,
-    kv_heads, head_dim * bits / 8]`` (uint8) and ``scale``, ``zero`` ``[num_blocks,
-    block_size, kv_heads, 1]``: a token's values are ``codes * scale + zero``."""
+    """One layer's keys or values: ``codes [num_blocks, block_size, kv_heads, head_dim * bits /
+    8]`` (uint8) and ``scale``, ``zero``, either ``[num_blocks, block_size, kv_heads, 1]`` (per
+    token) or ``[num_blocks, 1, kv_heads, head_dim]`` (keys per channel): a token's values are
+    ``codes * scale + zero``, broadcast.
+
+    Keys per channel also carry the residual: ``residual [num_slots, block_size, kv_heads,
+    head_dim]`` (full precision), ``residual_slot [num_blocks]`` (where the step's partial blocks
+    are, -1 elsewhere: read those from the residual) and ``plan``, the step's writes.
+    """
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     bits: int
+    residual: torch.Tensor | None = None
+    residual_slot: torch.Tensor | None = None
+    plan: KeyPlan | None = None
+
+    @property
+    def per_channel(self) -> bool:
+        return self.residual is not None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -56,9 +77,11 @@ class CacheShape:
     head_dim: int
     dtype: torch.dtype
     kv_cache_dtype: str = "auto"
+    key_granularity: str = "per_token"
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_key_granularity(self.key_granularity, self.kv_cache_dtype)
         if self.kv_cache_dtype == "int4" and self.head_dim % 2:
             raise ValueError(f"an int4 KV cache needs an even head_dim, got {self.head_dim}")
 
@@ -67,35 +90,58 @@ class CacheShape:
         return self.kv_cache_dtype != "auto"
 
     @property
+    def per_channel_keys(self) -> bool:
+        return self.key_granularity == "per_channel"
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def bits(self) -> int:
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     @property
     def block_bytes(self) -> int:
         """A block's bytes, codes and scales counted (``bytes_per_token``, Phase 3.4)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
         if not self.quantized:
-            return (
-                2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
-            )
+            return 2 * self.block_size * self._layer_token_elements * self.element_size
         per_token = bytes_per_token(
             self.num_layers,
             self.num_kv_heads,
             self.head_dim,
             self.kv_cache_dtype,
-            "per_token",
+            self.key_granularity,
             self.block_size,
-            scale_bytes=element,
+            scale_bytes=self.element_size,
         )
         return int(per_token * self.block_size)
 
+    @property
+    def _layer_token_elements(self) -> int:
+        """One token's keys (or values) in every layer."""
+        return self.num_layers * self.num_kv_heads * self.head_dim
+
+    def residual_bytes(self, num_slots: int) -> int:
+        """The bytes of a key residual of ``num_slots`` blocks (keys per channel; else 0)."""
+        if not self.per_channel_keys:
+            return 0
+        return num_slots * self.block_size * self._layer_token_elements * self.element_size
+
     def planes(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The shape and dtype of each tensor of a pool of ``num_blocks`` blocks."""
-        lead = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads)
+        block = (self.num_layers, num_blocks, self.block_size, self.num_kv_heads)
         if not self.quantized:
-            return [((*lead, self.head_dim), self.dtype)]
-        codes = ((*lead, self.head_dim * self.bits // 8), torch.uint8)
-        return [codes, ((*lead, 1), self.dtype), ((*lead, 1), self.dtype)]
+            return [((2, *block, self.head_dim), self.dtype)]
+        codes = ((2, *block, self.head_dim * self.bits // 8), torch.uint8)
+        per_token = ((1, *block, 1), self.dtype)
+        keys = per_token
+        if self.per_channel_keys:
+            keys = (
+                (1, self.num_layers, num_blocks, 1, self.num_kv_heads, self.head_dim),
+                self.dtype,
+            )
+        return [codes, keys, keys, per_token, per_token]
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         """How many blocks fit in ``budget_bytes``; ``ValueError`` if not even one does."""
@@ -117,10 +163,19 @@ def free_device_bytes(device: torch.device, fraction: float) -> int:
 
 
 class CacheEngine:
-    """The device KV cache and the CPU swap pool of ``shape``, and the copies between them."""
+    """The device KV cache and the CPU swap pool of ``shape``, and the copies between them.
+
+    With keys per channel, ``residual_slots`` full-precision blocks hold the keys of partial
+    blocks (``KeyResidual``; ``shape.residual_bytes`` says what they cost).
+    """
 
     def __init__(
-        self, shape: CacheShape, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device
+        self,
+        shape: CacheShape,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        device: torch.device,
+        residual_slots: int = 0,
     ) -> None:
         self.shape = shape
         self.device = device
@@ -133,6 +188,20 @@ class CacheEngine:
             torch.zeros(size, dtype=dtype, pin_memory=pinned)
             for size, dtype in shape.planes(num_cpu_blocks)
         ]
+        self.residual: KeyResidual | None = None
+        if shape.per_channel_keys:
+            if residual_slots < 1:
+                raise ValueError("keys per channel need at least one residual slot")
+            self.residual = KeyResidual(
+                shape.num_layers,
+                shape.block_size,
+                shape.num_kv_heads,
+                shape.head_dim,
+                shape.dtype,
+                num_gpu_blocks,
+                residual_slots,
+                device,
+            )
 
     @property
     def gpu_cache(self) -> torch.Tensor:
@@ -146,28 +215,50 @@ class CacheEngine:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedCache, ...]:
         """Layer ``index``'s key and value caches, ``[num_blocks, block_size, heads, dim]``
-        (quantized: a ``QuantizedCache`` each)."""
+        (quantized: a ``QuantizedCache`` each; keys per channel with the step's residual plan)."""
         if not self.shape.quantized:
             return self.gpu_cache[0, index], self.gpu_cache[1, index]
-        codes, scale, zero = self.gpu_planes
+        codes, k_scale, k_zero, v_scale, v_zero = (plane[:, index] for plane in self.gpu_planes)
         bits = self.shape.bits
-        return tuple(
-            QuantizedCache(codes[kv, index], scale[kv, index], zero[kv, index], bits)
-            for kv in (0, 1)
+        values = QuantizedCache(codes[1], v_scale[0], v_zero[0], bits)
+        residual = self.residual
+        if residual is None:
+            return QuantizedCache(codes[0], k_scale[0], k_zero[0], bits), values
+        keys = QuantizedCache(
+            codes[0],
+            k_scale[0],
+            k_zero[0],
+            bits,
+            residual.keys[index],
+            residual.slot_of_block,
+            residual.current,
         )
+        return keys, values
+
+    def plan_step(self, slots: list[int]) -> None:
+        """Before the model runs over tokens stored at ``slots``: plan the key residual's
+        writes (keys per channel; nothing to do otherwise)."""
+        if self.residual is not None:
+            self.residual.plan(slots)
 
     def swap_out(self, mapping: dict[int, int]) -> None:
         """Copy GPU blocks to CPU blocks: ``{gpu_block: cpu_block}``."""
         self._copy(self.gpu_planes, self.cpu_planes, list(mapping.items()))
+        if self.residual is not None:
+            self.residual.swap_out(mapping)
 
     def swap_in(self, mapping: dict[int, int]) -> None:
         """Copy CPU blocks to GPU blocks: ``{cpu_block: gpu_block}``."""
         self._copy(self.cpu_planes, self.gpu_planes, list(mapping.items()))
+        if self.residual is not None:
+            self.residual.swap_in(mapping)
 
     def copy(self, blocks_to_copy: dict[int, list[int]]) -> None:
         """Copy GPU blocks within the GPU cache: ``{src: [dst, ...]}`` (copy-on-write)."""
         pairs = [(src, dst) for src, dsts in blocks_to_copy.items() for dst in dsts]
         self._copy(self.gpu_planes, self.gpu_planes, pairs)
+        if self.residual is not None:
+            self.residual.copy(pairs)
 
     @staticmethod
     def _copy(
@@ -181,11 +272,15 @@ class CacheEngine:
         swap_out: dict[int, int],
         swap_in: dict[int, int],
         blocks_to_copy: dict[int, list[int]],
+        held: Callable[[int], bool] = lambda block: True,
     ) -> None:
-        """A step's block operations, in the order the module docstring gives."""
+        """A step's block operations, in the order the module docstring gives; then the key
+        residual gives back the slots of filled blocks and of blocks not ``held`` any more."""
         self.swap_out(swap_out)
         self.swap_in(swap_in)
         self.copy(blocks_to_copy)
+        if self.residual is not None:
+            self.residual.release_unheld(held)
 
 
 def _copy_blocks(source: torch.Tensor, target: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

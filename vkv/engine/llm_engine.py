@@ -79,11 +79,13 @@ class LLMEngine:
         enable_chunked_prefill: bool = False,
         preemption_mode: str = "auto",
         kv_cache_dtype: str = "auto",
+        key_granularity: str = "per_token",
         backend: str | None = None,
         device: str | None = None,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0.0 < gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
         self.device = torch.device(device) if device else default_device()
@@ -103,15 +105,28 @@ class LLMEngine:
         self.model, self.tokenizer, eos = load_checkpoint(model, dtype, self.device)
         c = self.model.config
         shape = CacheShape(
-            c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype
+            c.num_layers,
+            block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            dtype,
+            kv_cache_dtype,
+            key_granularity,
         )
+        residual_slots = 2 * max_num_seqs  # keys per channel: see key_residual.py
         if num_gpu_blocks is None and kv_cache_bytes is None:
             on_cuda = self.device.type == "cuda"
             kv_cache_bytes = (
                 free_device_bytes(self.device, gpu_memory_fraction) if on_cuda else CPU_KV_BYTES
             )
         if num_gpu_blocks is None:
-            num_gpu_blocks = shape.num_blocks_for(kv_cache_bytes)
+            residual_bytes = shape.residual_bytes(residual_slots)
+            if residual_bytes and residual_bytes >= kv_cache_bytes:
+                raise ValueError(
+                    f"the key residual ({residual_bytes:,} bytes: 2 x max_num_seqs blocks of "
+                    f"full-precision keys) fills the KV budget of {kv_cache_bytes:,} bytes"
+                )
+            num_gpu_blocks = shape.num_blocks_for(kv_cache_bytes - residual_bytes)
         self.config = Config(
             block_size=block_size,
             num_gpu_blocks=num_gpu_blocks,
@@ -123,10 +138,11 @@ class LLMEngine:
             preemption_mode=preemption_mode,
             eos_token_id=eos,
             kv_cache_dtype=kv_cache_dtype,
+            key_granularity=key_granularity,
         )
         self.scheduler = Scheduler(self.config)
         self.cache_engine = CacheEngine(
-            shape, self.config.num_gpu_blocks, num_cpu_blocks, self.device
+            shape, self.config.num_gpu_blocks, num_cpu_blocks, self.device, residual_slots
         )
         self.runner = ModelRunner(
             self.model, self.cache_engine, self.scheduler.block_manager, kernels
@@ -289,8 +305,12 @@ def _capacity_note(shape: CacheShape) -> str:
     """For a quantized cache: its format, and how many more blocks a byte holds than unquantized."""
     if not shape.quantized:
         return ""
-    plain = replace(shape, kv_cache_dtype="auto").block_bytes
-    return f", {shape.kv_cache_dtype}: {plain / shape.block_bytes:.2f}x the blocks of {shape.dtype}"
+    plain = replace(shape, kv_cache_dtype="auto", key_granularity="per_token").block_bytes
+    keys = ", keys per channel" if shape.per_channel_keys else ""
+    return (
+        f", {shape.kv_cache_dtype}{keys}: {plain / shape.block_bytes:.2f}x the blocks of "
+        f"{shape.dtype}"
+    )
 
 
 def _is_token_id(value: object) -> bool:

@@ -39,7 +39,8 @@ class ModelRunner:
     def prepare(
         self, scheduled: list[ScheduledSequence]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The batch's ``input_ids``, ``positions`` and attention metadata."""
+        """The batch's ``input_ids``, ``positions`` and attention metadata; the CacheEngine
+        plans where the new keys go (``plan_step``: keys per channel wait in a residual)."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -53,6 +54,7 @@ class ModelRunner:
             cu_seqlens.append(len(tokens))
             context_lens.append(end)
             tables.append(seq.block_table)
+        self.cache_engine.plan_step(slots)
         width = max(len(table) for table in tables)
         padded = [table + [-1] * (width - len(table)) for table in tables]
 
@@ -71,7 +73,13 @@ class ModelRunner:
     def apply_block_maps(self, out: SchedulerOutput) -> None:
         """Swap out, swap in and copy the blocks the step moves, before any of it runs; the
         step's ``model_seconds`` start at 0 here (``execute`` may run more than once a step)."""
-        self.cache_engine.apply(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        blocks = self.block_manager.gpu_allocator.blocks
+        self.cache_engine.apply(
+            out.blocks_to_swap_out,
+            out.blocks_to_swap_in,
+            out.blocks_to_copy,
+            held=lambda block: blocks[block].ref_count > 0,
+        )
         self.model_seconds = 0.0
 
     @torch.inference_mode()

@@ -5,10 +5,12 @@ Layout (vLLM's and nano-vLLM's): each layer's cache is a pair of tensors
 ``s // block_size`` at offset ``s % block_size``. A sequence's ``block_table`` lists its physical
 blocks in logical order, padded with -1 to the batch's widest table.
 
-A quantized cache (Phase 3: ``QuantizedCache``, INT8 or INT4 per token and head) is read and
-written through the same functions: storing quantizes the new tokens (all of them, keys and
-values, before anything is written: a token that cannot be quantized leaves the cache as it
-was), and attention dequantizes the blocks it gathers, then computes exactly as on values.
+A quantized cache (Phase 3: ``QuantizedCache``, INT8 or INT4) is read and written through the
+same functions: storing quantizes the new tokens (a token that cannot be quantized, NaN or
+infinite, is refused before anything is written: the cache stays as it was), and attention
+dequantizes the blocks it gathers, then computes exactly as on values. Keys per channel
+(``store_keys_per_channel``) go to the key residual until their block fills; attention reads a
+partial block's keys from the residual.
 """
 
 import threading
@@ -33,10 +35,14 @@ def store_kvcache(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     if isinstance(k_cache, QuantizedCache):
-        quantized = [
-            Quantizer(c.bits).quantize(x[keep]) for c, x in ((k_cache, key), (v_cache, value))
-        ]
-        for cache, q in zip((k_cache, v_cache), quantized, strict=True):
+        if k_cache.per_channel:
+            refuse_non_finite(key, value)
+            store_keys_per_channel(key, k_cache)
+            pairs = [(v_cache, value)]
+        else:
+            pairs = [(k_cache, key), (v_cache, value)]
+        quantized = [(cache, Quantizer(cache.bits).quantize(x[keep])) for cache, x in pairs]
+        for cache, q in quantized:
             for plane, part in (
                 (cache.codes, q.codes),
                 (cache.scale, q.scale),
@@ -46,6 +52,27 @@ def store_kvcache(
         return
     _slots(k_cache)[slots] = key[keep].to(k_cache.dtype)
     _slots(v_cache)[slots] = value[keep].to(v_cache.dtype)
+
+
+def refuse_non_finite(key: torch.Tensor, value: torch.Tensor) -> None:
+    """``ValueError`` if a key or value is NaN or infinite (one device sync)."""
+    if not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):
+        raise ValueError("cannot quantize NaN or infinite values")
+
+
+def store_keys_per_channel(key: torch.Tensor, k_cache: QuantizedCache) -> None:
+    """Keys per channel (both backends): the step's plan (``KeyPlan``) sends each new key to its
+    block's residual slot, then quantizes every block the step filled, per channel over its
+    ``block_size`` tokens, into the block's codes, scale and zero."""
+    plan, residual = k_cache.plan, k_cache.residual
+    rows = residual.view(-1, *residual.shape[2:])
+    rows[plan.residual_rows] = key[plan.residual_tokens].to(rows.dtype)
+    if not len(plan.fill_blocks):
+        return
+    full = torch.cat((residual[plan.fill_slots].float(), key[plan.fill_tokens].float()))
+    q = Quantizer(k_cache.bits, "per_channel").quantize(full.transpose(0, 1))  # tokens first
+    for plane, part in ((k_cache.codes, q.codes), (k_cache.scale, q.scale), (k_cache.zero, q.zero)):
+        plane[plan.fill_blocks] = part.transpose(0, 1).to(plane.dtype)
 
 
 def _slots(cache: torch.Tensor) -> torch.Tensor:
@@ -69,6 +96,10 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, into: str) ->
             t.index_select(0, index) for t in (cache.codes, cache.scale, cache.zero)
         )
         values = Quantizer(cache.bits).dequantize(QuantizedTensor(codes, scale, zero, cache.bits))
+        if cache.per_channel:  # a partial block's keys are in the residual
+            slots = cache.residual_slot[index]
+            held = cache.residual[slots.clamp(min=0).long()].float()
+            values = torch.where((slots >= 0)[:, None, None, None], held, values)
         return values.view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     rows = batch * num_blocks
     out = _reusable(into, rows * cache[0].numel(), cache.dtype, cache.device)

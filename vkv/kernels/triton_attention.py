@@ -15,7 +15,10 @@ A quantized cache (``QuantizedCache``, Phase 3) goes through the same kernels: s
 quantizes each (token, KV head) row in its program (minimum, scale, codes; INT4 packs code
 ``2i`` in the low nibble of byte ``i``), and the attention tiles load codes, scales and zeros and
 dequantize them in registers before the dot products (``_load_rows``), so a quantized block is
-read as bytes, never expanded in memory.
+read as bytes, never expanded in memory. Keys per channel: storing sends keys to the residual
+and quantizes the blocks a step fills with ``reference.store_keys_per_channel`` (torch; a few
+blocks a step, shared with the reference); the tiles read a scale per (block, head, channel)
+and a partial block's keys from the residual.
 
 On a CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, fp32 and fp16;
 bf16 is broken there). Tile sizes respect the GPU's minimum ``tl.dot`` shapes (16), so what
@@ -27,6 +30,7 @@ import triton
 import triton.language as tl
 
 from vkv.engine.cache_engine import QuantizedCache
+from vkv.kernels.reference import refuse_non_finite, store_keys_per_channel
 
 MIN_DOT = 16
 UNQUANTIZED = 16  # the kernels' BITS for a cache of values
@@ -69,9 +73,12 @@ def store_kvcache(
     if key.stride(-1) != 1 or key.stride(1) != head_dim or value.stride(1) != head_dim:
         raise ValueError("key and value must be contiguous in their last two dimensions")
     if isinstance(k_cache, QuantizedCache):
-        if not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):  # one sync
-            raise ValueError("cannot quantize NaN or infinite values")  # before any write
-        for rows, cache in ((key, k_cache), (value, v_cache)):
+        refuse_non_finite(key, value)  # before any write
+        pairs = [(key, k_cache), (value, v_cache)]
+        if k_cache.per_channel:
+            store_keys_per_channel(key, k_cache)
+            pairs = pairs[1:]
+        for rows, cache in pairs:
             _store_quantized_kernel[(num_tokens, num_kv_heads)](
                 rows,
                 cache.codes,
@@ -166,6 +173,8 @@ def _attend_tile(
     k_zero_ptr,
     v_scale_ptr,
     v_zero_ptr,
+    residual_ptr,
+    residual_slot_ptr,
     table_ptr,
     positions,
     pos_mask,
@@ -179,23 +188,45 @@ def _attend_tile(
     scale_block,
     scale_slot,
     scale_head,
+    k_scale_block,
+    k_scale_slot,
+    k_scale_head,
+    residual_block,
+    residual_slot,
+    residual_head,
     running_max,
     running_sum,
     acc,
     scale,
     BLOCK_SIZE: tl.constexpr,
     BITS: tl.constexpr,
+    KEYS_PER_CHANNEL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One tile of cached tokens for the query rows ``q``: gather K and V through the block
     table (dequantizing them if ``BITS`` is 8 or 4), score the ``visible`` pairs, fold them into
-    the online softmax. Codes and their scales have strides of their own (``_cache_args``)."""
+    the online softmax. Codes and their scales have strides of their own (``_cache_args``);
+    keys per channel have a scale per (block, head, channel), and a partial block's keys are
+    read from the residual."""
     blocks = tl.load(table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
     slots = positions % BLOCK_SIZE
     rows_at = blocks * stride_block + slots * stride_slot + kv_head * stride_head
     scales_at = blocks * scale_block + slots * scale_slot + kv_head * scale_head
+    k_scales_at = blocks * k_scale_block + slots * k_scale_slot + kv_head * k_scale_head
     kv_mask = pos_mask[:, None] & dim_mask[None, :]
-    k = _load_rows(k_ptr, k_scale_ptr, k_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS)
+    k = _load_rows(
+        k_ptr, k_scale_ptr, k_zero_ptr, rows_at, k_scales_at, dims, kv_mask, BITS, KEYS_PER_CHANNEL
+    )
+    if KEYS_PER_CHANNEL:
+        held = tl.load(residual_slot_ptr + blocks, mask=pos_mask, other=-1).to(tl.int64)
+        in_residual = (held >= 0)[:, None]
+        residual_at = held * residual_block + slots * residual_slot + kv_head * residual_head
+        residual = tl.load(
+            residual_ptr + residual_at[:, None] + dims[None, :],
+            mask=kv_mask & in_residual,
+            other=0.0,
+        )
+        k = tl.where(in_residual, residual.to(tl.float32), k)
     k = k.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     scores = tl.where(visible, scores, float("-inf"))
@@ -203,17 +234,27 @@ def _attend_tile(
     correction = tl.exp(running_max - new_max)
     probs = tl.exp(scores - new_max[:, None])
     running_sum = running_sum * correction + tl.sum(probs, 1)
-    v = _load_rows(v_ptr, v_scale_ptr, v_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS)
+    v = _load_rows(v_ptr, v_scale_ptr, v_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS, False)
     v = v.to(q.dtype)
     acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
     return new_max, running_sum, acc
 
 
 @triton.jit
-def _load_rows(cache_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS: tl.constexpr):
+def _load_rows(
+    cache_ptr,
+    scale_ptr,
+    zero_ptr,
+    rows_at,
+    scales_at,
+    dims,
+    mask,
+    BITS: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+):
     """Cached rows ``[tokens, dims]``: as stored (``BITS`` 16), or codes times scale plus zero
     (8: a byte per code; 4: code ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in its high
-    nibble)."""
+    nibble), with a scale per row or, ``PER_CHANNEL``, per row and channel."""
     if BITS == 16:
         return tl.load(cache_ptr + rows_at[:, None] + dims[None, :], mask=mask, other=0.0)
     if BITS == 8:
@@ -222,6 +263,10 @@ def _load_rows(cache_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, B
     else:
         packed = tl.load(cache_ptr + rows_at[:, None] + (dims // 2)[None, :], mask=mask, other=0)
         codes = (packed.to(tl.int32) >> ((dims % 2) * 4)[None, :]) & 0xF
+    if PER_CHANNEL:
+        scale = tl.load(scale_ptr + scales_at[:, None] + dims[None, :], mask=mask, other=0.0)
+        zero = tl.load(zero_ptr + scales_at[:, None] + dims[None, :], mask=mask, other=0.0)
+        return codes.to(tl.float32) * scale.to(tl.float32) + zero.to(tl.float32)
     row_mask = tl.max(mask.to(tl.int32), 1) > 0
     scale = tl.load(scale_ptr + scales_at, mask=row_mask, other=0.0).to(tl.float32)
     zero = tl.load(zero_ptr + scales_at, mask=row_mask, other=0.0).to(tl.float32)
@@ -237,6 +282,8 @@ def _decode_split_kernel(
     k_zero_ptr,
     v_scale_ptr,
     v_zero_ptr,
+    residual_ptr,
+    residual_slot_ptr,
     block_tables_ptr,
     context_lens_ptr,
     mid_out_ptr,
@@ -251,6 +298,12 @@ def _decode_split_kernel(
     scale_block,
     scale_slot,
     scale_head,
+    k_scale_block,
+    k_scale_slot,
+    k_scale_head,
+    residual_block,
+    residual_slot,
+    residual_head,
     stride_mid_b,
     stride_mid_h,
     stride_mid_s,
@@ -264,6 +317,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BITS: tl.constexpr,
+    KEYS_PER_CHANNEL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -299,6 +353,8 @@ def _decode_split_kernel(
             k_zero_ptr,
             v_scale_ptr,
             v_zero_ptr,
+            residual_ptr,
+            residual_slot_ptr,
             table_ptr,
             positions,
             pos_mask,
@@ -312,12 +368,19 @@ def _decode_split_kernel(
             scale_block,
             scale_slot,
             scale_head,
+            k_scale_block,
+            k_scale_slot,
+            k_scale_head,
+            residual_block,
+            residual_slot,
+            residual_head,
             running_max,
             running_sum,
             acc,
             scale,
             BLOCK_SIZE,
             BITS,
+            KEYS_PER_CHANNEL,
             PRECISION,
         )
 
@@ -386,15 +449,36 @@ def _decode_merge_kernel(
 
 def _cache_args(
     k_cache: torch.Tensor | QuantizedCache, v_cache: torch.Tensor | QuantizedCache
-) -> tuple[list[torch.Tensor], list[int], int]:
-    """The kernels' cache arguments: the K and V tensors (values, or codes) and the scales and
-    zeros of K and V (for a cache of values, the values again: never read); the strides of a
-    block, a slot and a head in the codes and in the scales; the bits (``UNQUANTIZED``: 16)."""
+) -> tuple[list[torch.Tensor], list[int], int, bool]:
+    """The kernels' cache arguments: the K and V tensors (values, or codes), the scales and zeros
+    of K and V, the key residual and its slot of each block (unused ones: the K tensor again,
+    never read); the strides of a block, a slot and a head in the codes, in the values' scales,
+    in the keys' scales (a slot stride of 0 for keys per channel: one scale row per block) and in
+    the residual; the bits (``UNQUANTIZED``: 16); whether keys are per channel."""
     if not isinstance(k_cache, QuantizedCache):
-        return [k_cache, v_cache] + [k_cache] * 4, [*k_cache.stride()[:3], 0, 0, 0], UNQUANTIZED
-    scales = [k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero]
-    strides = [*k_cache.codes.stride()[:3], *k_cache.scale.stride()[:3]]
-    return [k_cache.codes, v_cache.codes, *scales], strides, k_cache.bits
+        return (
+            [k_cache, v_cache] + [k_cache] * 6,
+            [*k_cache.stride()[:3]] + [0] * 9,
+            UNQUANTIZED,
+            False,
+        )
+    pointers = [
+        k_cache.codes,
+        v_cache.codes,
+        k_cache.scale,
+        k_cache.zero,
+        v_cache.scale,
+        v_cache.zero,
+    ]
+    strides = [*k_cache.codes.stride()[:3], *v_cache.scale.stride()[:3]]
+    if not k_cache.per_channel:
+        pointers += [k_cache.codes] * 2
+        strides += [*k_cache.scale.stride()[:3], 0, 0, 0]
+        return pointers, strides, k_cache.bits, False
+    block, _, head = k_cache.scale.stride()[:3]
+    pointers += [k_cache.residual, k_cache.residual_slot]
+    strides += [block, 0, head, *k_cache.residual.stride()[:3]]
+    return pointers, strides, k_cache.bits, True
 
 
 def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -419,7 +503,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K)."""
     batch, num_heads, head_dim = query.shape
-    caches, cache_strides, bits = _cache_args(k_cache, v_cache)
+    caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
     _, block_size, num_kv_heads, _ = caches[0].shape
     group = _check_layout(query, caches[0], caches[1])
     if num_splits is None:
@@ -454,6 +538,7 @@ def paged_decode_attention(
         BLOCK_N=max(MIN_DOT, block_n),
         NUM_SPLITS=num_splits,
         BITS=bits,
+        KEYS_PER_CHANNEL=keys_per_channel,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     out = torch.empty_like(query)
@@ -485,6 +570,8 @@ def _prefill_kernel(
     k_zero_ptr,
     v_scale_ptr,
     v_zero_ptr,
+    residual_ptr,
+    residual_slot_ptr,
     cu_seqlens_ptr,
     block_tables_ptr,
     context_lens_ptr,
@@ -501,6 +588,12 @@ def _prefill_kernel(
     scale_block,
     scale_slot,
     scale_head,
+    k_scale_block,
+    k_scale_slot,
+    k_scale_head,
+    residual_block,
+    residual_slot,
+    residual_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -508,6 +601,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BITS: tl.constexpr,
+    KEYS_PER_CHANNEL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -546,6 +640,8 @@ def _prefill_kernel(
             k_zero_ptr,
             v_scale_ptr,
             v_zero_ptr,
+            residual_ptr,
+            residual_slot_ptr,
             table_ptr,
             positions,
             pos_mask,
@@ -559,12 +655,19 @@ def _prefill_kernel(
             scale_block,
             scale_slot,
             scale_head,
+            k_scale_block,
+            k_scale_slot,
+            k_scale_head,
+            residual_block,
+            residual_slot,
+            residual_head,
             running_max,
             running_sum,
             acc,
             scale,
             BLOCK_SIZE,
             BITS,
+            KEYS_PER_CHANNEL,
             PRECISION,
         )
 
@@ -589,7 +692,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """See ``reference.paged_prefill_attention``."""
     _, num_heads, head_dim = query.shape
-    caches, cache_strides, bits = _cache_args(k_cache, v_cache)
+    caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
     block_size = caches[0].shape[1]
     group = _check_layout(query, caches[0], caches[1])
     num_seqs = len(context_lens)
@@ -617,6 +720,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=max(MIN_DOT, block_n),
         BITS=bits,
+        KEYS_PER_CHANNEL=keys_per_channel,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     return out

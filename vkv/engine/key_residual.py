@@ -1,0 +1,210 @@
+"""KeyResidual: where keys quantized per channel wait, in full precision, for their block to fill.
+
+Keys per channel (KIVI) share one scale and one zero per (head, channel) over all the tokens of a
+block, so a block's grid is known only once its last slot is written. Until then its keys are
+held as they came out of the model, in a *residual*: a small pool of full-precision blocks
+``keys [num_layers, num_slots, block_size, kv_heads, head_dim]``, one residual slot per partial
+block. When a step writes a block's last slot, the block's tokens (residual rows and new rows)
+are quantized per channel into the block's codes and its slot is given back. This is KIVI's
+residual with the group size set to the block size; values are quantized per token as they come.
+
+Each ``ModelRunner.execute`` calls ``plan(slots)`` with the step's slot of every new token. For
+each block the step writes, in order of its slots:
+
+- written from offset 0: a new block; a residual the block still held (its former owner freed
+  it partial) is given back first;
+- written from a later offset: the block is partial and must hold a residual (else the cache
+  lost keys: ``RuntimeError``);
+- its last slot written: *filled*, quantized this step (from the residual if it had one, else
+  straight from the new keys); its slot stays until the next step, so a step that runs again
+  (``LLMEngine`` re-runs a failed batch one sequence at a time) reads the same rows;
+- otherwise still *partial*: its new rows go to its residual slot.
+
+``slot_of_block [num_gpu_blocks]`` (int32, -1 where none) tells the attention kernels where the
+step's partial blocks are: for such a block they read keys from the residual, for any other from
+the codes. Only the step's own partial blocks are set, so a stale slot is never read.
+
+Between steps (``CacheEngine.apply``): a block swapped out takes its residual rows to the CPU
+and a block swapped in brings them back; a copy-on-write copies them; filled blocks give their
+slots back, and so does every block its owner freed (``release_unheld``). Residual slots in use
+are then at most one partial block per running sequence and one just filled: a pool of
+``2 * max_num_seqs`` slots never runs out.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class KeyPlan:
+    """One step's key writes (tensors on the cache's device).
+
+    ``residual_tokens`` (batch rows) go to ``residual_rows`` (rows of the residual seen as
+    ``[num_slots * block_size, kv_heads, head_dim]``); then the ``fill_blocks`` are quantized per
+    channel, the first ones from residual slots ``fill_slots``, the rest from the batch rows
+    ``fill_tokens [blocks, block_size]``.
+    """
+
+    residual_tokens: torch.Tensor
+    residual_rows: torch.Tensor
+    fill_blocks: torch.Tensor
+    fill_slots: torch.Tensor
+    fill_tokens: torch.Tensor
+
+
+@dataclass(slots=True)
+class _BlockWrite:
+    first: int  # offset of the step's first token in the block
+    last: int  # offset of its last
+    tokens: list[int]  # the batch rows written to the block, in slot order
+
+
+class KeyResidual:
+    """The residual pool of a CacheEngine whose keys are quantized per channel."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        num_gpu_blocks: int,
+        num_slots: int,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        size = (num_layers, num_slots, block_size, num_kv_heads, head_dim)
+        self.keys = torch.zeros(size, dtype=dtype, device=device)
+        self.slot_of_block = torch.full((num_gpu_blocks,), -1, dtype=torch.int32, device=device)
+        self.current: KeyPlan | None = None
+        self._slots: dict[int, int] = {}  # GPU block -> residual slot
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._filled: set[int] = set()
+        self._swapped: dict[int, torch.Tensor] = {}  # CPU block -> its residual rows, on the CPU
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_used(self) -> int:
+        return len(self._slots)
+
+    def holds(self, block: int) -> bool:
+        """Whether GPU block ``block`` has keys waiting in a residual slot."""
+        return block in self._slots
+
+    def holds_swapped(self, cpu_block: int) -> bool:
+        """Whether CPU block ``cpu_block`` took residual rows with it when it was swapped out."""
+        return cpu_block in self._swapped
+
+    def plan(self, slots: list[int]) -> KeyPlan:
+        """The step's key writes for the slots of its tokens (-1: padding); see the module."""
+        writes = self._group_by_block(slots)
+        for block, write in writes.items():
+            if write.first == 0:
+                self._give_back(block)
+            elif block not in self._slots:
+                raise RuntimeError(
+                    f"block {block} is written from offset {write.first} but "
+                    "holds no key residual: its earlier keys are lost"
+                )
+        residual_tokens, residual_rows, partial = [], [], {}
+        fill_blocks, fill_slots, new_blocks, fill_tokens = [], [], [], []
+        for block, write in writes.items():
+            filled = write.last == self.block_size - 1
+            if filled and write.first == 0:
+                new_blocks.append(block)
+                fill_tokens.append(write.tokens)
+                continue
+            slot = self._slots.get(block)
+            if slot is None:
+                slot = self._take(block)
+            residual_tokens += write.tokens
+            start = slot * self.block_size + write.first
+            residual_rows += range(start, start + len(write.tokens))
+            if filled:
+                fill_blocks.append(block)
+                fill_slots.append(slot)
+                self._filled.add(block)
+            else:
+                partial[block] = slot
+        self.slot_of_block.fill_(-1)
+        if partial:
+            self.slot_of_block[self._tensor(list(partial))] = self._tensor(
+                list(partial.values()), torch.int32
+            )
+        self.current = KeyPlan(
+            self._tensor(residual_tokens),
+            self._tensor(residual_rows),
+            self._tensor(fill_blocks + new_blocks),
+            self._tensor(fill_slots),
+            self._tensor(fill_tokens).view(-1, self.block_size),
+        )
+        return self.current
+
+    def _group_by_block(self, slots: list[int]) -> dict[int, _BlockWrite]:
+        writes: dict[int, _BlockWrite] = {}
+        for token, slot in enumerate(slots):
+            if slot < 0:
+                continue
+            block, offset = divmod(slot, self.block_size)
+            write = writes.get(block)
+            if write is None:
+                writes[block] = _BlockWrite(offset, offset, [token])
+            else:
+                write.last = offset
+                write.tokens.append(token)
+        return writes
+
+    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _take(self, block: int) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} key residual slots are in use")
+        slot = self._free.pop()
+        self._slots[block] = slot
+        return slot
+
+    def _give_back(self, block: int) -> None:
+        slot = self._slots.pop(block, None)
+        if slot is not None:
+            self._free.append(slot)
+        self._filled.discard(block)
+
+    def release_unheld(self, held: Callable[[int], bool]) -> None:
+        """Give back the slots of blocks filled last step and of blocks no sequence holds."""
+        for block in list(self._slots):
+            if block in self._filled or not held(block):
+                self._give_back(block)
+
+    def swap_out(self, mapping: dict[int, int]) -> None:
+        """``{gpu_block: cpu_block}``: a partial block's residual rows go to the CPU with it."""
+        for gpu, cpu in mapping.items():
+            slot = self._slots.get(gpu)
+            if slot is None:
+                self._swapped.pop(cpu, None)
+                continue
+            self._swapped[cpu] = self.keys[:, slot].to("cpu", copy=True)
+            self._give_back(gpu)
+
+    def swap_in(self, mapping: dict[int, int]) -> None:
+        """``{cpu_block: gpu_block}``: the residual rows come back with their block."""
+        for cpu, gpu in mapping.items():
+            self._give_back(gpu)
+            rows = self._swapped.pop(cpu, None)
+            if rows is not None:
+                self.keys[:, self._take(gpu)] = rows.to(self.device)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write ``(src, dst)``: a partial source's residual rows are copied too."""
+        for src, dst in pairs:
+            self._give_back(dst)
+            slot = self._slots.get(src)
+            if slot is not None:
+                self.keys[:, self._take(dst)] = self.keys[:, slot]
