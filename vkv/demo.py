@@ -20,6 +20,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from vkv.config import Config
 from vkv.engine.cache_engine import CacheShape
 from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine, default_device, model_dtype
 from vkv.engine.sequence import Sequence, SequenceStatus
@@ -227,7 +228,8 @@ def _summary_table(summary: DemoSummary, engine: LLMEngine) -> Table:
     table.add_column()
     rows = {
         "KV cache": f"{config.num_gpu_blocks} GPU blocks + {config.num_cpu_blocks} CPU blocks "
-        f"of {config.block_size} tokens ({config.kv_cache_dtype}), preemption by "
+        f"of {config.block_size} tokens ({config.kv_cache_dtype}{_keys_note(config)}), "
+        "preemption by "
         f"{config.preemption_mode.value}",
         "requests": f"{summary.requests}, finished by "
         + ", ".join(
@@ -244,3 +246,7 @@ def _summary_table(summary: DemoSummary, engine: LLMEngine) -> Table:
     for name, value in rows.items():
         table.add_row(name, value)
     return table
+
+
+def _keys_note(config: Config) -> str:
+    return ", keys per channel" if config.key_granularity == "per_channel" else ""
