@@ -22,8 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from vkv.assignment.parts import MANIFEST, Assignment
-from vkv.config import KV_CACHE_DTYPES
-from vkv.engine.quantizer import GRANULARITIES
+from vkv.config import GRANULARITIES, KV_CACHE_DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

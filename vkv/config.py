@@ -8,9 +8,8 @@ A bad value raises ``ValueError`` naming the option and what is allowed, at cons
 from dataclasses import dataclass
 from enum import Enum
 
-from vkv.engine.quantizer import GRANULARITIES
-
 KV_CACHE_DTYPES = {"auto": 16, "int8": 8, "int4": 4}  # bits per stored element (Phase 3)
+GRANULARITIES = ("per_token", "per_channel")  # how quantized keys are grouped (Phase 3)
 
 
 def check_kv_cache_dtype(name: object) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-GRANULARITIES = ("per_token", "per_channel")
+from vkv.config import GRANULARITIES
 
 
 @dataclass(slots=True, frozen=True)
