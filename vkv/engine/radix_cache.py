@@ -1,0 +1,310 @@
+"""RadixCache: which KV blocks already hold a prompt's prefix (Phase 4, graded).
+
+Prompts share prefixes: a system prompt, few-shot examples, the earlier turns of a chat, the
+prompt of n parallel samples. The keys and values of a shared prefix are the same for every
+request that has it, so they can be computed once and their blocks shared. This tree records,
+for every cached prefix, the blocks that hold it (SGLang's RadixAttention, over whole blocks as
+vLLM and nano-vLLM cache them).
+
+A node's *edge* is a run of whole blocks: ``key`` holds its tokens (``len(key)`` a multiple of
+``block_size``), ``blocks`` the block ids (one per ``block_size`` tokens) and ``hashes`` one
+chained hash per block. A path from the root spells a cached prefix; the root's edge is empty.
+
+Hashes chain: block ``i`` of a prefix hashes its own tokens *and* the hash of block ``i - 1``,
+so a hash names the whole prefix up to the end of its block (nano-vLLM's and vLLM's rule):
+
+    block_hash(None, tokens)   = xxh64(tokens)                  the first block
+    block_hash(parent, tokens) = xxh64(parent (8 bytes) + tokens)   every later block
+
+with each token as 4 little-endian bytes and the parent hash as 8 little-endian bytes. A child
+is found in ``children`` by the hash of its first block. A hash is never trusted alone: the
+tokens are compared on every hit, and a collision (same hash, other tokens) is a miss.
+
+Operations (``n`` = tokens of the prompt):
+
+- ``match_prefix(token_ids)``: the longest cached prefix of whole blocks, never covering the
+  last token (its logits must be computed, so at most ``(n - 1) // block_size`` blocks). A
+  match that ends inside an edge splits the node there, so that the match ends at a node.
+  Returns the matched blocks and that node; every node on its path is *used now*.
+- ``insert(token_ids, blocks)``: record that ``blocks`` hold ``token_ids`` (whole blocks).
+  Returns how many leading blocks were cached already: the tree keeps its own blocks for those,
+  and the caller frees its duplicates. The new blocks become a leaf (a node split if needed).
+- ``lock(node)`` / ``unlock(node)``: a sequence using a path locks its last node; a lock counts
+  on every node from there up to the root (not the root itself). A locked node is *protected*,
+  an unlocked one *evictable*.
+- ``evict(num_blocks)``: remove unlocked leaves, least recently used first, until at least
+  ``num_blocks`` blocks are out (or nothing evictable is left); a parent that becomes an unlocked
+  leaf can go next. Returns the evicted block ids, in eviction order.
+
+Invariants:
+
+- every node but the root has ``len(key) == block_size * len(blocks) == block_size *
+  len(hashes)``, at least one block, and sits in its parent's ``children`` under ``hashes[0]``;
+  ``hashes`` chain from the parent's last hash (the root has none);
+- a block id is in the tree at most once;
+- ``lock_ref`` of a node is the number of locks on it or below it; a locked node's parent is
+  locked; ``evictable_size + protected_size`` is the number of blocks in the tree, with
+  ``protected_size`` the blocks of locked nodes;
+- *used now* stamps a node with the next tick of the cache's clock (``last_access``): a parent
+  is never older than its children.
+
+Bad input raises ``ValueError`` and changes nothing: matching an empty prompt, inserting a number
+of tokens other than ``block_size * len(blocks)``, unlocking a node that is not locked, evicting
+a negative number of blocks.
+"""
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+HashFunction = Callable[[int | None, Sequence[int]], int]
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """The chained hash of one block of ``tokens`` after a prefix whose hash is ``parent``
+    (None for the first block): ``xxh64`` (seed 0, ``intdigest``) of the parent as 8
+    little-endian bytes, if any, then each token as 4 little-endian bytes."""
+    ### BEGIN SOLUTION part4.1
+    data = b"" if parent is None else parent.to_bytes(8, "little")
+    data += b"".join(token.to_bytes(4, "little") for token in tokens)
+    return xxhash.xxh64_intdigest(data)
+    ### END SOLUTION
+
+
+@dataclass(slots=True, eq=False)
+class TreeNode:
+    """One edge of the tree and the node it ends at (see the module docstring)."""
+
+    key: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    parent: "TreeNode | None" = None
+    children: dict[int, "TreeNode"] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+    node_id: int = 0
+
+    @property
+    def last_hash(self) -> int | None:
+        """The hash of the prefix that ends at this node (None at the root)."""
+        return self.hashes[-1] if self.hashes else None
+
+
+@dataclass(slots=True, frozen=True)
+class MatchResult:
+    """What ``match_prefix`` found: the cached blocks of the prefix, and the node it ends at."""
+
+    blocks: list[int]
+    node: TreeNode
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class RadixCache:
+    """A radix tree of cached block runs; see the module docstring for the rules."""
+
+    def __init__(self, block_size: int, hash_function: HashFunction = block_hash) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.hash_function = hash_function
+        self.root = TreeNode()
+        self.evictable_size = 0
+        self.protected_size = 0
+        self._clock = 0
+        self._next_node_id = 1
+
+    @property
+    def total_size(self) -> int:
+        """Blocks in the tree."""
+        return self.evictable_size + self.protected_size
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _new_node(self, parent: TreeNode, key: list[int], blocks: list[int], hashes: list[int]):
+        """A node under ``parent`` (given: registered in its children, ids in creation order)."""
+        node = TreeNode(key, blocks, hashes, parent, node_id=self._next_node_id)
+        self._next_node_id += 1
+        parent.children[hashes[0]] = node
+        return node
+
+    def _block(self, token_ids: Sequence[int], index: int) -> list[int]:
+        """Tokens of block ``index`` of ``token_ids``."""
+        return list(token_ids[index * self.block_size : (index + 1) * self.block_size])
+
+    def _child(self, node: TreeNode, token_ids: Sequence[int], index: int) -> TreeNode | None:
+        """The child of ``node`` whose edge starts with block ``index`` of ``token_ids``, tokens
+        compared (a hash collision is a miss); given."""
+        digest = self.hash_function(node.last_hash, self._block(token_ids, index))
+        child = node.children.get(digest)
+        if child is None or child.key[: self.block_size] != self._block(token_ids, index):
+            return None
+        return child
+
+    def _shared_blocks(self, node: TreeNode, token_ids: Sequence[int], start: int, limit: int):
+        """How many leading blocks of ``node``'s edge equal blocks ``start``, ``start + 1``, ...
+        of ``token_ids``, at most ``limit`` (given)."""
+        count = 0
+        while count < min(limit, len(node.blocks)):
+            if self._block(node.key, count) != self._block(token_ids, start + count):
+                break
+            count += 1
+        return count
+
+    def _touch(self, node: TreeNode) -> None:
+        """Stamp ``node`` and its ancestors but the root as used now (given)."""
+        now = self._tick()
+        while node is not self.root:
+            node.last_access = now
+            node = node.parent
+
+    def _split(self, node: TreeNode, num_blocks: int) -> TreeNode:
+        """Cut ``node``'s edge after its first ``num_blocks`` blocks (``0 < num_blocks <
+        len(node.blocks)``): a new node takes that head (key, blocks, hashes) and ``node`` keeps
+        the tail, as the new node's only child. The new node takes ``node``'s place in the
+        parent's ``children`` and copies its ``lock_ref`` and ``last_access``. Returns it."""
+        ### BEGIN SOLUTION part4.2
+        cut = num_blocks * self.block_size
+        head = self._new_node(
+            node.parent, node.key[:cut], node.blocks[:num_blocks], node.hashes[:num_blocks]
+        )
+        head.lock_ref, head.last_access = node.lock_ref, node.last_access
+        node.key, node.blocks, node.hashes = (
+            node.key[cut:],
+            node.blocks[num_blocks:],
+            node.hashes[num_blocks:],
+        )
+        node.parent = head
+        head.children[node.hashes[0]] = node
+        return head
+        ### END SOLUTION
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """The longest cached prefix of ``token_ids`` in whole blocks, at most ``(len - 1) //
+        block_size`` of them; splits the node a match ends inside; the path is used now.
+        ``ValueError("cannot match an empty prompt")`` for no tokens."""
+        ### BEGIN SOLUTION part4.3
+        if len(token_ids) == 0:
+            raise ValueError("cannot match an empty prompt")
+        limit = (len(token_ids) - 1) // self.block_size
+        node, blocks = self.root, []
+        while len(blocks) < limit:
+            child = self._child(node, token_ids, len(blocks))
+            if child is None:
+                break
+            shared = self._shared_blocks(child, token_ids, len(blocks), limit - len(blocks))
+            if shared < len(child.blocks):
+                child = self._split(child, shared)
+            blocks += child.blocks
+            node = child
+        self._touch(node)
+        return MatchResult(blocks, node)
+        ### END SOLUTION
+
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int]) -> int:
+        """Record that ``blocks`` hold ``token_ids``; return how many leading blocks were cached
+        already (the caller frees its own copies of those). The rest become a new leaf, under
+        the node where the cached prefix ends (split if it ends inside an edge); if a hash
+        collision takes the new leaf's place, nothing more is recorded. The path is used now.
+        ``ValueError`` unless ``len(token_ids) == block_size * len(blocks)`` ("insert takes
+        whole blocks: 5 tokens for 1 blocks of 4").
+        """
+        ### BEGIN SOLUTION part4.4
+        if len(token_ids) != self.block_size * len(blocks):
+            raise ValueError(
+                f"insert takes whole blocks: {len(token_ids)} tokens for {len(blocks)} "
+                f"blocks of {self.block_size}"
+            )
+        node, cached = self.root, 0
+        while cached < len(blocks):
+            child = self._child(node, token_ids, cached)
+            if child is None:
+                break
+            shared = self._shared_blocks(child, token_ids, cached, len(blocks) - cached)
+            if shared < len(child.blocks):
+                child = self._split(child, shared)
+            cached += shared
+            node = child
+        if cached < len(blocks):
+            hashes, parent = [], node.last_hash
+            for index in range(cached, len(blocks)):
+                parent = self.hash_function(parent, self._block(token_ids, index))
+                hashes.append(parent)
+            if hashes[0] not in node.children:
+                node = self._new_node(
+                    node, list(token_ids[cached * self.block_size :]), list(blocks[cached:]), hashes
+                )
+                self.evictable_size += len(node.blocks)
+        self._touch(node)
+        return cached
+        ### END SOLUTION
+
+    def lock(self, node: TreeNode) -> None:
+        """A sequence uses the path to ``node``: add one to ``lock_ref`` of ``node`` and of
+        every ancestor but the root; a node locked for the first time moves its blocks from
+        evictable to protected. Locking the root does nothing."""
+        ### BEGIN SOLUTION part4.5
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.blocks)
+                self.protected_size += len(node.blocks)
+            node.lock_ref += 1
+            node = node.parent
+        ### END SOLUTION
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one ``lock(node)``: the reverse walk; a node whose ``lock_ref`` falls to 0 moves
+        its blocks back to evictable. ``ValueError("unlock of a node that is not locked")``, and
+        no change, if ``node`` is not locked. Unlocking the root does nothing."""
+        ### BEGIN SOLUTION part4.5
+        if node is not self.root and node.lock_ref < 1:
+            raise ValueError("unlock of a node that is not locked")
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_size -= len(node.blocks)
+                self.evictable_size += len(node.blocks)
+            node = node.parent
+        ### END SOLUTION
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Remove unlocked leaves, the least recently used first (smallest ``(last_access,
+        node_id)``), until at least ``num_blocks`` blocks are out or none is evictable; a
+        parent left an unlocked leaf joins the candidates. Returns the evicted block ids, each
+        leaf's in edge order. ``ValueError`` for a negative ``num_blocks`` ("num_blocks must be
+        >= 0, got -1")."""
+        ### BEGIN SOLUTION part4.6
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        leaves = [
+            (node.last_access, node.node_id, node)
+            for node in self._nodes()
+            if not node.children and node.lock_ref == 0
+        ]
+        heapq.heapify(leaves)
+        evicted: list[int] = []
+        while len(evicted) < num_blocks and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del parent.children[leaf.hashes[0]]
+            self.evictable_size -= len(leaf.blocks)
+            evicted += leaf.blocks
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, parent.node_id, parent))
+        return evicted
+        ### END SOLUTION
+
+    def _nodes(self) -> list[TreeNode]:
+        """Every node but the root (given)."""
+        found, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            found.append(node)
+            stack.extend(node.children.values())
+        return found
