@@ -3,6 +3,7 @@
 import pytest
 
 from vkv.config import Config, PreemptionMode
+from vkv.engine.radix_cache import RadixCache
 from vkv.sampling_params import SamplingParams
 
 
@@ -84,3 +85,9 @@ def test_sampling_params_refuse_wrong_types_and_non_finite_values(options, messa
 
 def test_the_largest_seed_is_accepted():
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize("block_size", [0, -1, 2.0, True, "16"])
+def test_a_radix_cache_refuses_a_bad_block_size(block_size):
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got"):
+        RadixCache(block_size)

@@ -99,10 +99,6 @@ class MatchResult:
     blocks: list[int]
     node: TreeNode
 
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
 
 class RadixCache:
     """A radix tree of cached block runs; see the module docstring for the rules."""
