@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mutation testing of the seven graded modules with mutmut 3 (a dev dependency: run `uv sync`).
+# Mutation testing of the eight graded modules with mutmut 3 (a dev dependency: run `uv sync`).
 #
 #   bash scripts/mutation.sh                  fresh run (3 minutes on 2 idle cores)
 #   bash scripts/mutation.sh --resume         finish an interrupted run (checks only the
@@ -8,8 +8,8 @@
 #                                             `mutmut results`, `mutmut show NAME`
 #
 # [tool.mutmut] in pyproject.toml says what is mutated (vkv/engine/{sequence,block,evictor,
-# block_manager,swapper,scheduler,quantizer}.py) and which tests run (tests/test_phase{1,2,3}.py
-# and tests/hidden/test_phase{1,3}_hidden.py; never tests/runtime or tests/instructor).
+# block_manager,swapper,scheduler,quantizer,radix_cache}.py) and which tests run (tests/test_phase{1,2,3,4}.py
+# and tests/hidden/test_phase{1,3,4}_hidden.py; never tests/runtime or tests/instructor).
 #
 # mutmut runs in a staging copy, build/mutation/ (vkv/, tests/, pyproject.toml), never in the
 # working tree: mutmut 3 does not mutate decorated functions, so in the staging copy each

@@ -117,22 +117,18 @@ def test_paged_attention_equals_dense_attention_on_the_dequantized_values(bits):
         assert torch.allclose(out[start : start + count], expected, atol=1e-5), f"prefill {i}"
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_the_triton_kernels_store_and_read_what_the_reference_does(bits):
-    """Triton quantizes on store and dequantizes on load (here under the interpreter)."""
-    torch.manual_seed(10 + bits)
-    ours, theirs = quantized_engine(bits, blocks=8), quantized_engine(bits, blocks=8)
-    keys, values = torch.randn(20, HEADS, DIM) * 2, torch.randn(20, HEADS, DIM)
-    slots = torch.tensor([*range(19), -1])
-    reference.store_kvcache(keys, values, *theirs.layer(1), slots)
-    triton_attention.store_kvcache(keys, values, *ours.layer(1), slots)
+def assert_same_stores(ours: CacheEngine, theirs: CacheEngine) -> None:
+    """Triton rounds halves up where torch rounds them to even: codes at most one apart."""
     for name, a, b in zip(PLANES, ours.gpu_planes, theirs.gpu_planes, strict=True):
         steps = (a.float() - b.float()).abs().max()
         assert steps <= (1 if name == "codes" else 1e-6), f"{name}: the stores differ by {steps}"
-    tables = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, -1, -1]], dtype=torch.int32)
-    lengths = torch.tensor([19, 10], dtype=torch.int32)
+
+
+def assert_triton_reads_as_the_reference(caches, tables: list, lengths: list[int]) -> None:
+    """Decode and prefill attention over ``caches``: Triton against the reference."""
+    tables = torch.tensor(tables, dtype=torch.int32)
+    lengths = torch.tensor(lengths, dtype=torch.int32)
     query, scale = torch.randn(2, 4, DIM), DIM**-0.5
-    caches = theirs.layer(1)
     expected = reference.paged_decode_attention(query, *caches, tables, lengths, scale)
     got = triton_attention.paged_decode_attention(query, *caches, tables, lengths, scale)
     assert torch.allclose(got, expected, atol=2e-5), "decode: triton against the reference"
@@ -142,6 +138,20 @@ def test_the_triton_kernels_store_and_read_what_the_reference_does(bits):
         rows, *caches, cu_seqlens, tables, lengths, scale
     )
     assert torch.allclose(got, expected, atol=2e-5), "prefill: triton against the reference"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_triton_kernels_store_and_read_what_the_reference_does(bits):
+    """Triton quantizes on store and dequantizes on load (here under the interpreter)."""
+    torch.manual_seed(10 + bits)
+    ours, theirs = quantized_engine(bits, blocks=8), quantized_engine(bits, blocks=8)
+    keys, values = torch.randn(20, HEADS, DIM) * 2, torch.randn(20, HEADS, DIM)
+    slots = torch.tensor([*range(19), -1])
+    reference.store_kvcache(keys, values, *theirs.layer(1), slots)
+    triton_attention.store_kvcache(keys, values, *ours.layer(1), slots)
+    assert_same_stores(ours, theirs)
+    tables = [[0, 1, 2, 3, 4], [5, 6, 7, -1, -1]]
+    assert_triton_reads_as_the_reference(theirs.layer(1), tables, [19, 10])
 
 
 def test_the_triton_store_refuses_nan_before_writing():
@@ -394,23 +404,9 @@ def test_the_triton_kernels_handle_keys_per_channel_as_the_reference_does(bits):
     slots = slots_of([0, 1, 2], 0, 11) + slots_of([5, 6], 0, 7)
     store(theirs, keys, values, slots)
     store(ours, keys, values, slots, backend=triton_attention)
-    for name, a, b in zip(PLANES, ours.gpu_planes, theirs.gpu_planes, strict=True):
-        steps = (a.float() - b.float()).abs().max()
-        assert steps <= (1 if name == "codes" else 1e-6), f"{name}: the stores differ by {steps}"
+    assert_same_stores(ours, theirs)
     assert torch.equal(ours.residual.keys, theirs.residual.keys)
-    tables = torch.tensor([[0, 1, 2], [5, 6, -1]], dtype=torch.int32)
-    lengths = torch.tensor([11, 7], dtype=torch.int32)
-    caches = theirs.layer(0)
-    query, scale = torch.randn(2, 4, DIM), DIM**-0.5
-    expected = reference.paged_decode_attention(query, *caches, tables, lengths, scale)
-    got = triton_attention.paged_decode_attention(query, *caches, tables, lengths, scale)
-    assert torch.allclose(got, expected, atol=2e-5), "decode: triton against the reference"
-    rows, cu_seqlens = torch.randn(5, 4, DIM), torch.tensor([0, 3, 5], dtype=torch.int32)
-    expected = reference.paged_prefill_attention(rows, *caches, cu_seqlens, tables, lengths, scale)
-    got = triton_attention.paged_prefill_attention(
-        rows, *caches, cu_seqlens, tables, lengths, scale
-    )
-    assert torch.allclose(got, expected, atol=2e-5), "prefill: triton against the reference"
+    assert_triton_reads_as_the_reference(theirs.layer(0), [[0, 1, 2], [5, 6, -1]], [11, 7])
 
 
 @pytest.mark.parametrize("backend", [reference, triton_attention])
