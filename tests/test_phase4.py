@@ -319,6 +319,17 @@ def test_part4_insert_takes_whole_blocks_only(tokens, blocks):
     assert snapshot(cache) == before
 
 
+def test_part4_a_refused_insert_does_not_split_a_cached_edge_first():
+    cache = new_cache()
+    grow(cache, cache.root, [1, 2, 3, 4, 5, 6], [10, 11, 12])
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="insert takes whole blocks: 3 tokens for 1 blocks of 2"):
+        cache.insert([1, 2, 3], [20])
+    assert snapshot(cache) == before, (
+        "check the length before walking: [1, 2] would have split the cached edge"
+    )
+
+
 def test_part4_insert_into_an_empty_tree_makes_one_leaf():
     cache = new_cache()
     assert cache.insert([1, 2, 3, 4], [10, 11]) == 0, "nothing was cached before"
