@@ -455,6 +455,7 @@ def test_part5_lock_counts_on_the_node_and_every_ancestor():
     assert (top.lock_ref, bottom.lock_ref) == (1, 1), "a lock counts up to the root"
     assert cache.root.lock_ref == 0, "the root is never locked"
     assert (cache.evictable_size, cache.protected_size) == (0, 4)
+    assert cache.total_size == 4, "a lock moves blocks between the sizes, their sum stays"
     cache.lock(top)
     assert (top.lock_ref, bottom.lock_ref) == (2, 1)
     assert (cache.evictable_size, cache.protected_size) == (0, 4), "a block moves only once"
