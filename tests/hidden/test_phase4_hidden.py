@@ -46,7 +46,9 @@ def test_part4_block_size_three_splits_after_two_of_three_blocks():
     cache = new_cache(block_size=3)
     cache.insert(list(range(9)), [10, 11, 12])
     assert cache.insert([0, 1, 2, 3, 4, 5, 9, 9, 9], [20, 21, 22]) == 2
-    assert cache.match_prefix([0, 1, 2, 3, 4, 5, 9, 9, 9, 0]).blocks == [10, 11, 22]
+    (head,) = cache.root.children.values()
+    assert head.blocks == [10, 11]
+    assert sorted(child.blocks for child in head.children.values()) == [[12], [22]]
     assert cache.evictable_size == 4
 
 
