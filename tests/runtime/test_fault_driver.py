@@ -22,6 +22,7 @@ from tiny_checkpoints import tiny_hf_model
 
 from vkv import SamplingParams
 from vkv.engine.block import Device
+from vkv.engine.key_residual import partial_blocks
 from vkv.engine.llm_engine import LLMEngine
 from vkv.engine.sequence import SequenceStatus
 
@@ -88,7 +89,27 @@ def make_engine(folder, rng: random.Random, kv: dict[str, str]) -> LLMEngine:
         **kv,
     )
     engine.runner.model = PoisonedModel(engine.runner.model)
+    if engine.cache_engine.residual is not None:
+        check_residual_after_each_apply(engine)
     return engine
+
+
+def check_residual_after_each_apply(engine: LLMEngine) -> None:
+    """Keys per channel: once a step's maps are applied, only partial blocks hold residual
+    rows: the running sequences' on the GPU, the swapped ones' on the CPU."""
+    apply, residual = engine.runner.apply_block_maps, engine.cache_engine.residual
+    size = engine.config.block_size
+
+    def checked(out, running, swapped) -> None:
+        apply(out, running, swapped)
+        for blocks, seqs, where in (
+            (residual.gpu_blocks, running, "GPU"),
+            (residual.cpu_blocks, swapped, "CPU"),
+        ):
+            partial = partial_blocks([(s.block_table, s.num_computed_tokens) for s in seqs], size)
+            assert blocks <= partial, f"{where} blocks {blocks - partial} hold stale residual rows"
+
+    engine.runner.apply_block_maps = checked
 
 
 def check_invariants(engine: LLMEngine) -> None:
@@ -129,15 +150,15 @@ def check_key_residual(engine: LLMEngine, residual) -> None:
     """Keys per channel: every partial block's keys are held (on the GPU for a running
     sequence, on the CPU for a swapped one), and the slots in use stay within the pool."""
     scheduler, size = engine.scheduler, engine.config.block_size
-    for queue, holds in (
-        (scheduler.running, residual.holds),
-        (scheduler.swapped, residual.holds_swapped),
+    for queue, held in (
+        (scheduler.running, residual.gpu_blocks),
+        (scheduler.swapped, residual.cpu_blocks),
     ):
         for seq in queue:
             stored = seq.num_computed_tokens
             if stored % size:
                 block = seq.block_table[stored // size]
-                assert holds(block), f"{seq}: the keys of partial block {block} are lost"
+                assert block in held, f"{seq}: the keys of partial block {block} are lost"
     assert residual.num_used <= 2 * engine.config.max_num_seqs
 
 

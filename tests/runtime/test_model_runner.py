@@ -62,7 +62,7 @@ def generate(model, backend, block_size, num_gpu_blocks, **options):
         if scheduler.is_finished():
             break
         out = scheduler.schedule()
-        runner.apply_block_maps(out)
+        runner.apply_block_maps(out, scheduler.running, scheduler.swapped)
         scheduler.postprocess(out.scheduled, runner.execute(out.scheduled))
     assert scheduler.is_finished()
     return [seq.completion_token_ids for seq in seqs], scheduler.num_preemptions

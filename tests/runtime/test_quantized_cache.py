@@ -294,7 +294,7 @@ def test_keys_per_channel_wait_in_full_precision_until_their_block_fills(bits):
     assert torch.equal(read_keys(engine, table)[:4], expected), (
         "a filled block reads as the per-channel round trip of its four tokens"
     )
-    engine.apply({}, {}, {})
+    engine.apply({}, {}, {}, partial_gpu=set())
     assert engine.residual.num_used == 0, "the filled block gave its slot back at the next step"
     store(engine, keys[4:10], values[4:10], slots_of(table, 4, 10))  # fills 1, leaves 6 partial
     read = read_keys(engine, table)
@@ -314,7 +314,7 @@ def test_a_step_that_runs_again_reads_the_same_keys():
     table = [2, 5]
     keys, values = torch.randn(7, HEADS, DIM), torch.randn(7, HEADS, DIM)
     store(engine, keys[:3], values[:3], slots_of(table, 0, 3))
-    engine.apply({}, {}, {})
+    engine.apply({}, {}, {}, partial_gpu={2})
     store(engine, keys[3:7], values[3:7], slots_of(table, 3, 7))
     once = read_keys(engine, table)[:7].clone()
     store(engine, keys[3:7], values[3:7], slots_of(table, 3, 7))
@@ -327,16 +327,19 @@ def test_a_block_written_past_offset_zero_without_a_residual_is_an_error():
         engine.plan_step([9])
 
 
-def test_a_freed_partial_block_gives_its_slot_back_and_a_new_owner_starts_afresh():
+def test_a_freed_partial_block_gives_its_slot_back_even_when_already_given_to_another():
+    """The scheduler may hand a freed block to a new sequence before the step's maps are
+    applied (a chunked prefill writes it steps later): what is no running sequence's partial
+    block gives its slot back, whoever holds the block now."""
     engine = channel_engine(8, slots=2)
     keys, values = torch.randn(6, HEADS, DIM), torch.randn(6, HEADS, DIM)
     store(engine, keys[:2], values[:2], [4, 5])  # block 1, partial
     store(engine, keys[2:4], values[2:4], [8, 9])  # block 2, partial
-    assert engine.residual.num_used == 2
-    engine.apply({}, {}, {}, held=lambda block: block != 1)  # block 1's owner freed it
-    assert engine.residual.num_used == 1
+    assert engine.residual.gpu_blocks == {1, 2}
+    engine.apply({}, {}, {}, partial_gpu={2})  # block 1's owner finished; 1 now has a new owner
+    assert engine.residual.gpu_blocks == {2}
     store(engine, keys[4:5], values[4:5], [12])  # block 3 takes the slot given back
-    store(engine, keys[5:6], values[5:6], [8])  # block 2 reused from offset 0: no stale rows
+    store(engine, keys[5:6], values[5:6], [8])  # block 2 rewritten from offset 0: no stale rows
     assert torch.equal(read_keys(engine, [2])[0], keys[5])
     assert engine.residual.num_used == 2
 
@@ -346,17 +349,38 @@ def test_the_residual_follows_its_block_through_swaps_and_copies(bits):
     engine = channel_engine(bits, blocks=8, cpu_blocks=4)
     keys, values = torch.randn(6, HEADS, DIM) * 2, torch.randn(6, HEADS, DIM)
     store(engine, keys, values, slots_of([4, 5], 0, 6))  # block 4 full, block 5 partial
-    engine.swap_out({4: 0, 5: 1})
-    assert engine.residual.num_used == 0, "the partial block's rows went to the CPU"
+    engine.apply({4: 0, 5: 1}, {}, {}, partial_cpu={1})  # swapped out: 5 is the partial one
+    assert engine.residual.num_used == 0 and engine.residual.cpu_blocks == {1}
     store(engine, torch.randn(4, HEADS, DIM), torch.randn(4, HEADS, DIM), [20, 21, 22, 23])
-    engine.swap_in({0: 6, 1: 7})  # back into other blocks
+    engine.apply({}, {0: 6, 1: 7}, {}, partial_gpu={7})  # back into other blocks
+    assert engine.residual.gpu_blocks == {7} and engine.residual.cpu_blocks == set()
     engine.plan_step(slots_of([6, 7], 6, 7))  # the next token goes to block 7, offset 2
-    assert torch.equal(
-        read_keys(engine, [6, 7])[:6, :], torch.cat((channel_round_trip(keys[:4], bits), keys[4:6]))
-    ), "a swapped block came back with its codes, scales and residual rows"
-    engine.copy({7: [2]})  # copy-on-write of the partial block
+    expected = torch.cat((channel_round_trip(keys[:4], bits), keys[4:6]))
+    assert torch.equal(read_keys(engine, [6, 7])[:6], expected), (
+        "a swapped block came back with its codes, scales and residual rows"
+    )
+    engine.apply({}, {}, {7: [2]}, partial_gpu={7, 2})  # copy-on-write of the partial block
     engine.plan_step(slots_of([6, 2], 6, 7))
     assert torch.equal(read_keys(engine, [6, 2])[4:6], keys[4:6]), "the copy has the rows too"
+    engine.apply({6: 3, 2: 2}, {}, {}, partial_gpu={7}, partial_cpu=set())
+    assert engine.residual.cpu_blocks == set(), "a block swapped out whole takes no rows"
+    assert engine.residual.gpu_blocks == {7}
+
+
+def test_slots_are_given_back_before_a_swap_in_takes_one():
+    """Two slots, both held by blocks that filled last step: a swap-in still finds one."""
+    engine = channel_engine(8, slots=2)
+    keys, values = torch.randn(10, HEADS, DIM), torch.randn(10, HEADS, DIM)
+    store(engine, keys[8:10], values[8:10], [8, 9])  # block 2, partial
+    engine.apply({2: 3}, {}, {}, partial_cpu={3})  # swapped out with its rows
+    store(engine, keys[:3], values[:3], [0, 1, 2])
+    store(engine, keys[3:6], values[3:6], [4, 5, 6])
+    engine.apply({}, {}, {}, partial_gpu={0, 1}, partial_cpu={3})  # block 3 stays swapped
+    store(engine, keys[6:8], values[6:8], [3, 7])  # both blocks fill: their slots stay a step
+    engine.apply({}, {3: 5}, {}, partial_gpu={5})
+    assert engine.residual.gpu_blocks == {5} and engine.residual.cpu_blocks == set()
+    engine.plan_step([22])
+    assert torch.equal(read_keys(engine, [5])[:2], keys[8:10]), "the swapped-in rows"
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -437,9 +461,29 @@ def test_swap_preemption_with_keys_per_channel_gives_the_tokens_of_an_ample_pool
         assert all(len(tokens) == 40 for tokens in got)
         if mode == "swap":
             assert got == expected, "preemption by swap changed the tokens"
-        residual = tight.engine.cache_engine.residual
-        residual.release_unheld(lambda block: False)  # every request is done: nothing is held
-        assert residual.num_used == 0
+        cache = tight.engine.cache_engine
+        cache.apply({}, {}, {})  # every request is done: no block is partial
+        assert cache.residual.num_used == 0
+
+
+def test_a_block_freed_partial_and_reused_by_a_chunked_prefill_keeps_no_slot():
+    """One slot-pair pool (max_num_seqs 1): the first request's partial block goes, unwritten,
+    to the second request's chunked prefill; its stale slot must not exhaust the pool."""
+    llm = LLM(
+        kv_cache_dtype="int8",
+        key_granularity="per_channel",
+        block_size=4,
+        num_gpu_blocks=8,
+        max_num_seqs=1,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=5,
+    )
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request(list(range(1, 3)), params)
+    engine.add_request(list(range(10, 40)), params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.error is None, output.error
 
 
 def test_keys_per_channel_are_an_option_of_the_cli_and_of_the_budget(capsys):

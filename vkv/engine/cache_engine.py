@@ -26,7 +26,6 @@ its grid is known: a partial block's keys wait in full precision in a ``KeyResid
 (``key_residual.py``), which the same swaps and copies keep with their blocks.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -244,21 +243,14 @@ class CacheEngine:
     def swap_out(self, mapping: dict[int, int]) -> None:
         """Copy GPU blocks to CPU blocks: ``{gpu_block: cpu_block}``."""
         self._copy(self.gpu_planes, self.cpu_planes, list(mapping.items()))
-        if self.residual is not None:
-            self.residual.swap_out(mapping)
 
     def swap_in(self, mapping: dict[int, int]) -> None:
         """Copy CPU blocks to GPU blocks: ``{cpu_block: gpu_block}``."""
         self._copy(self.cpu_planes, self.gpu_planes, list(mapping.items()))
-        if self.residual is not None:
-            self.residual.swap_in(mapping)
 
     def copy(self, blocks_to_copy: dict[int, list[int]]) -> None:
         """Copy GPU blocks within the GPU cache: ``{src: [dst, ...]}`` (copy-on-write)."""
-        pairs = [(src, dst) for src, dsts in blocks_to_copy.items() for dst in dsts]
-        self._copy(self.gpu_planes, self.gpu_planes, pairs)
-        if self.residual is not None:
-            self.residual.copy(pairs)
+        self._copy(self.gpu_planes, self.gpu_planes, _pairs(blocks_to_copy))
 
     @staticmethod
     def _copy(
@@ -272,15 +264,23 @@ class CacheEngine:
         swap_out: dict[int, int],
         swap_in: dict[int, int],
         blocks_to_copy: dict[int, list[int]],
-        held: Callable[[int], bool] = lambda block: True,
+        partial_gpu: set[int] = frozenset(),
+        partial_cpu: set[int] = frozenset(),
     ) -> None:
-        """A step's block operations, in the order the module docstring gives; then the key
-        residual gives back the slots of filled blocks and of blocks not ``held`` any more."""
+        """A step's block operations, in the order the module docstring gives. With keys per
+        channel the residual follows them (``KeyResidual.apply``): ``partial_gpu`` and
+        ``partial_cpu`` are the blocks holding the partial tails of the running and of the
+        swapped sequences' stored tokens."""
         self.swap_out(swap_out)
         self.swap_in(swap_in)
         self.copy(blocks_to_copy)
         if self.residual is not None:
-            self.residual.release_unheld(held)
+            pairs = _pairs(blocks_to_copy)
+            self.residual.apply(swap_out, swap_in, pairs, partial_gpu, partial_cpu)
+
+
+def _pairs(blocks_to_copy: dict[int, list[int]]) -> list[tuple[int, int]]:
+    return [(src, dst) for src, dsts in blocks_to_copy.items() for dst in dsts]
 
 
 def _copy_blocks(source: torch.Tensor, target: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

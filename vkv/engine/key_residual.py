@@ -24,14 +24,25 @@ each block the step writes, in order of its slots:
 step's partial blocks are: for such a block they read keys from the residual, for any other from
 the codes. Only the step's own partial blocks are set, so a stale slot is never read.
 
-Between steps (``CacheEngine.apply``): a block swapped out takes its residual rows to the CPU
-and a block swapped in brings them back; a copy-on-write copies them; filled blocks give their
-slots back, and so does every block its owner freed (``release_unheld``). Residual slots in use
-are then at most one partial block per running sequence and one just filled: a pool of
-``2 * max_num_seqs`` slots never runs out.
+Between steps (``apply``, after the scheduler has moved blocks), given the *partial blocks*:
+for each running sequence (GPU) and each swapped one (CPU), the block that holds the partial
+tail of its stored tokens (``partial_blocks``):
+
+1. a block swapped out takes its rows to the CPU if it is a swapped sequence's partial block
+   (else, filled or stale, its slot is just given back);
+2. every slot of a block that is no running sequence's partial block is given back: blocks that
+   filled, blocks their owner freed (finished, aborted, preempted by recompute), even when the
+   scheduler has already handed them to a new owner that has not written them yet;
+3. a block swapped in gets its rows back, and a copy-on-write copies its source's rows, if the
+   target is a partial block;
+4. rows kept on the CPU for a block that is no swapped sequence's partial block are dropped.
+
+Slots are given back before any is taken, so in use are at most one per running sequence
+between steps, and during a step two (the block it fills and the new partial one, in a chunked
+prefill): a pool of ``2 * max_num_seqs`` slots never runs out.
 """
 
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +94,6 @@ class KeyResidual:
         self.current: KeyPlan | None = None
         self._slots: dict[int, int] = {}  # GPU block -> residual slot
         self._free = list(range(num_slots - 1, -1, -1))
-        self._filled: set[int] = set()
         self._swapped: dict[int, torch.Tensor] = {}  # CPU block -> its residual rows, on the CPU
 
     @property
@@ -94,13 +104,15 @@ class KeyResidual:
     def num_used(self) -> int:
         return len(self._slots)
 
-    def holds(self, block: int) -> bool:
-        """Whether GPU block ``block`` has keys waiting in a residual slot."""
-        return block in self._slots
+    @property
+    def gpu_blocks(self) -> set[int]:
+        """The GPU blocks whose keys wait in a residual slot."""
+        return set(self._slots)
 
-    def holds_swapped(self, cpu_block: int) -> bool:
-        """Whether CPU block ``cpu_block`` took residual rows with it when it was swapped out."""
-        return cpu_block in self._swapped
+    @property
+    def cpu_blocks(self) -> set[int]:
+        """The CPU blocks that took residual rows with them when they were swapped out."""
+        return set(self._swapped)
 
     def plan(self, slots: list[int]) -> KeyPlan:
         """The step's key writes for the slots of its tokens (-1: padding); see the module."""
@@ -130,7 +142,6 @@ class KeyResidual:
             if filled:
                 fill_blocks.append(block)
                 fill_slots.append(slot)
-                self._filled.add(block)
             else:
                 partial[block] = slot
         self.slot_of_block.fill_(-1)
@@ -175,36 +186,43 @@ class KeyResidual:
         slot = self._slots.pop(block, None)
         if slot is not None:
             self._free.append(slot)
-        self._filled.discard(block)
 
-    def release_unheld(self, held: Callable[[int], bool]) -> None:
-        """Give back the slots of blocks filled last step and of blocks no sequence holds."""
-        for block in list(self._slots):
-            if block in self._filled or not held(block):
-                self._give_back(block)
-
-    def swap_out(self, mapping: dict[int, int]) -> None:
-        """``{gpu_block: cpu_block}``: a partial block's residual rows go to the CPU with it."""
-        for gpu, cpu in mapping.items():
+    def apply(
+        self,
+        swap_out: dict[int, int],
+        swap_in: dict[int, int],
+        copies: list[tuple[int, int]],
+        partial_gpu: set[int],
+        partial_cpu: set[int],
+    ) -> None:
+        """Follow the step's swaps and copies, and give back what no partial block holds; the
+        order of the module docstring."""
+        for gpu, cpu in swap_out.items():
             slot = self._slots.get(gpu)
-            if slot is None:
-                self._swapped.pop(cpu, None)
-                continue
-            self._swapped[cpu] = self.keys[:, slot].to("cpu", copy=True)
-            self._give_back(gpu)
-
-    def swap_in(self, mapping: dict[int, int]) -> None:
-        """``{cpu_block: gpu_block}``: the residual rows come back with their block."""
-        for cpu, gpu in mapping.items():
-            self._give_back(gpu)
+            self._swapped.pop(cpu, None)
+            if slot is not None and cpu in partial_cpu:
+                self._swapped[cpu] = self.keys[:, slot].to("cpu", copy=True)
+        sources = {src for src, _ in copies}
+        for block in list(self._slots):
+            if block not in partial_gpu and block not in sources:
+                self._give_back(block)
+        for cpu, gpu in swap_in.items():
             rows = self._swapped.pop(cpu, None)
-            if rows is not None:
+            if rows is not None and gpu in partial_gpu:
+                self._give_back(gpu)
                 self.keys[:, self._take(gpu)] = rows.to(self.device)
-
-    def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write ``(src, dst)``: a partial source's residual rows are copied too."""
-        for src, dst in pairs:
-            self._give_back(dst)
+        for src, dst in copies:
             slot = self._slots.get(src)
-            if slot is not None:
+            if slot is not None and dst in partial_gpu:
+                self._give_back(dst)
                 self.keys[:, self._take(dst)] = self.keys[:, slot]
+        for block in sources - partial_gpu:
+            self._give_back(block)
+        for cpu in set(self._swapped) - partial_cpu:
+            del self._swapped[cpu]
+
+
+def partial_blocks(tables: Iterable[tuple[list[int], int]], block_size: int) -> set[int]:
+    """For each ``(block_table, num_stored_tokens)``, the block that holds the partial tail of
+    the stored tokens (none when they fill whole blocks)."""
+    return {table[stored // block_size] for table, stored in tables if stored % block_size}

@@ -225,7 +225,7 @@ class LLMEngine:
         """
         started = time.perf_counter()
         out = self.scheduler.schedule()
-        self.runner.apply_block_maps(out)
+        self.runner.apply_block_maps(out, self.scheduler.running, self.scheduler.swapped)
         self.scheduler.postprocess(out.scheduled, self._execute(out.scheduled))
         touched = [item.seq for item in out.scheduled] + [i.seq for i in out.ignored]
         outputs = [self._output(seq) for seq in touched]

@@ -10,13 +10,16 @@ are sampled (a prefill chunk that stops short gets a token the scheduler then ig
 """
 
 import time
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch
 
 from vkv.engine.block_manager import BlockManager
 from vkv.engine.cache_engine import CacheEngine
+from vkv.engine.key_residual import partial_blocks
 from vkv.engine.scheduler import ScheduledSequence, SchedulerOutput
+from vkv.engine.sequence import Sequence
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 from vkv.sampling_params import MAX_SEED, SamplingParams
 
@@ -70,15 +73,24 @@ class ModelRunner:
         )
         return tensor(tokens, torch.int64), tensor(positions, torch.int64), meta
 
-    def apply_block_maps(self, out: SchedulerOutput) -> None:
-        """Swap out, swap in and copy the blocks the step moves, before any of it runs; the
-        step's ``model_seconds`` start at 0 here (``execute`` may run more than once a step)."""
-        blocks = self.block_manager.gpu_allocator.blocks
+    def apply_block_maps(
+        self, out: SchedulerOutput, running: list[Sequence], swapped: Iterable[Sequence]
+    ) -> None:
+        """Swap out, swap in and copy the blocks the step moves, before any of it runs (keys
+        per channel: the residual follows the ``running`` and ``swapped`` sequences' partial
+        blocks); the step's ``model_seconds`` start at 0 here (``execute`` may run more than
+        once a step)."""
+        partial_gpu, partial_cpu = set(), set()
+        if self.cache_engine.residual is not None:
+            size = self.cache_engine.shape.block_size
+            partial_gpu = partial_blocks(_stored(running), size)
+            partial_cpu = partial_blocks(_stored(swapped), size)
         self.cache_engine.apply(
             out.blocks_to_swap_out,
             out.blocks_to_swap_in,
             out.blocks_to_copy,
-            held=lambda block: blocks[block].ref_count > 0,
+            partial_gpu,
+            partial_cpu,
         )
         self.model_seconds = 0.0
 
@@ -107,6 +119,10 @@ class ModelRunner:
             sample(row, p, item.seq.num_tokens)
             for row, p, item in zip(last, params, scheduled, strict=True)
         ]
+
+
+def _stored(seqs: Iterable[Sequence]) -> list[tuple[list[int], int]]:
+    return [(seq.block_table, seq.num_computed_tokens) for seq in seqs]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
