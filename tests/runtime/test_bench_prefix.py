@@ -1,0 +1,26 @@
+"""benchmarks/bench_prefix.py: the RadixCache finds exactly the offline optimum on its traces."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from bench_prefix import WORKLOADS, optimum, serve
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_the_tree_finds_every_reusable_block_of_the_trace(workload, block_size):
+    trace = WORKLOADS[workload](random.Random(0))
+    best = optimum(trace, block_size)
+    assert sum(best) > 0, "each workload shares prefixes"
+    assert serve(trace, block_size, capacity=None)["hits"] == best
+
+
+def test_the_optimum_never_covers_a_prompt_s_last_token():
+    trace = [([1, 2, 3, 4], [5]), ([1, 2, 3, 4], [6])]
+    assert optimum(trace, 1) == [0, 3]
+    assert optimum(trace, 2) == [0, 2]
