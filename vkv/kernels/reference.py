@@ -98,8 +98,8 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, into: str) ->
         values = Quantizer(cache.bits).dequantize(QuantizedTensor(codes, scale, zero, cache.bits))
         if cache.per_channel:  # a partial block's keys are in the residual
             slots = cache.residual_slot[index]
-            held = cache.residual[slots.clamp(min=0).long()].float()
-            values = torch.where((slots >= 0)[:, None, None, None], held, values)
+            partial = (slots >= 0).nonzero().squeeze(1)
+            values[partial] = cache.residual[slots[partial].long()].float()
         return values.view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     rows = batch * num_blocks
     out = _reusable(into, rows * cache[0].numel(), cache.dtype, cache.device)
