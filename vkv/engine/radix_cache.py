@@ -183,8 +183,10 @@ class RadixCache:
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """The longest cached prefix of ``token_ids`` in whole blocks, at most ``(len - 1) //
-        block_size`` of them; splits the node a match ends inside; the path is used now.
-        ``ValueError("cannot match an empty prompt")`` for no tokens."""
+        block_size`` of them, and the node it ends at (a miss: no blocks, the root); splits the
+        node a match ends inside. The path is used now: one ``_touch`` of the node the match
+        ends at (a split-off tail is not on the path). ``ValueError("cannot match an empty
+        prompt")`` for no tokens."""
         ### BEGIN SOLUTION part4.3
         if len(token_ids) == 0:
             raise ValueError("cannot match an empty prompt")
@@ -207,9 +209,11 @@ class RadixCache:
         """Record that ``blocks`` hold ``token_ids``; return how many leading blocks were cached
         already (the caller frees its own copies of those). The rest become a new leaf, under
         the node where the cached prefix ends (split if it ends inside an edge); if a hash
-        collision takes the new leaf's place, nothing more is recorded. The path is used now.
-        ``ValueError`` unless ``len(token_ids) == block_size * len(blocks)`` ("insert takes
-        whole blocks: 5 tokens for 1 blocks of 4").
+        collision takes the new leaf's place, nothing more is recorded. The path is used now,
+        whatever was recorded: one ``_touch`` of its last node (the new leaf, else the node the
+        cached prefix ends at). Checked before anything else: ``ValueError(f"insert takes whole
+        blocks: {len(token_ids)} tokens for {len(blocks)} blocks of {block_size}")`` unless
+        ``len(token_ids) == block_size * len(blocks)``.
         """
         ### BEGIN SOLUTION part4.4
         if len(token_ids) != self.block_size * len(blocks):
@@ -273,8 +277,9 @@ class RadixCache:
         """Remove unlocked leaves, the least recently used first (smallest ``(last_access,
         node_id)``), until at least ``num_blocks`` blocks are out or none is evictable; a
         parent left an unlocked leaf joins the candidates. Returns the evicted block ids, each
-        leaf's in edge order. ``ValueError`` for a negative ``num_blocks`` ("num_blocks must be
-        >= 0, got -1")."""
+        leaf's in edge order. ``ValueError(f"num_blocks must be >= 0, got {num_blocks}")`` for a
+        negative ``num_blocks``. A parent joins the candidates with its own ``(last_access,
+        node_id)``."""
         ### BEGIN SOLUTION part4.6
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
