@@ -11,6 +11,10 @@ library):
   quantized: none waits in the residual);
 - bytes per token (a 16-bit model: 16-bit values, or codes with 16-bit scales and zeros) and
   blocks of 16 tokens in a 256 MiB budget;
+- two *what-if* rows, a format the engine does not store: INT8 and INT4 with one scale and zero
+  per token over all KV heads (a group of ``kv_heads * head_dim``), fake-quantized (quantized
+  and dequantized) into an unquantized cache: the quality and capacity such a format would give
+  (at vkv-tiny's head_dim of 32, per-head scales weigh too much to reach 1.9x and 3.5x);
 - greedy agreement with the unquantized cache: 32 held-out prompts of 64 bytes, 256 generated
   tokens each, the share of tokens before the first difference, and how many are identical;
 - decode throughput of that generation on this machine (the fastest of ``--rounds``
@@ -30,6 +34,7 @@ import math
 import sysconfig
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from rich.console import Console
@@ -37,7 +42,7 @@ from rich.table import Table
 
 from vkv import LLM, SamplingParams
 from vkv.engine.cache_engine import CacheEngine, CacheShape
-from vkv.engine.quantizer import bytes_per_token
+from vkv.engine.quantizer import Quantizer, bytes_per_token
 from vkv.kernels import reference
 from vkv.models.qwen3 import AttentionMetadata
 
@@ -64,8 +69,27 @@ def held_out_stream() -> torch.Tensor:
     return held_out
 
 
+def grouped_over_heads(bits: int) -> SimpleNamespace:
+    """The reference kernels over an unquantized cache whose keys and values are stored after a
+    round trip through one quantization group per token over all KV heads (what-if rows)."""
+    quantizer = Quantizer(bits)
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(x.shape[0], 1, -1)  # [tokens, 1, kv_heads * head_dim]: one group
+        return quantizer.dequantize(quantizer.quantize(flat)).view_as(x).to(x.dtype)
+
+    def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
+        reference.store_kvcache(round_trip(key), round_trip(value), k_cache, v_cache, slot_mapping)
+
+    return SimpleNamespace(
+        store_kvcache=store_kvcache,
+        paged_prefill_attention=reference.paged_prefill_attention,
+        paged_decode_attention=reference.paged_decode_attention,
+    )
+
+
 @torch.inference_mode()
-def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str) -> float:
+def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str, backend=reference) -> float:
     """Teacher-forced next-token loss over ``windows`` [n, WINDOW + 1], in bits per byte."""
     model, config = llm.engine.model, llm.engine.model.config
     per_window = WINDOW // BLOCK
@@ -92,7 +116,7 @@ def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str) -> float:
         )
         positions = torch.arange(WINDOW).repeat(len(batch))
         caches = [cache.layer(i) for i in range(config.num_layers)]
-        logits = model(batch[:, :-1].flatten(), positions, caches, meta, reference)
+        logits = model(batch[:, :-1].flatten(), positions, caches, meta, backend)
         total += torch.nn.functional.cross_entropy(
             logits.float(), batch[:, 1:].flatten(), reduction="sum"
         ).item()
@@ -174,6 +198,15 @@ def main() -> None:
             "decode_speed_ratio": round(speed / base_speed, 3),
         }
         results[name] = row
+    for bits in (8, 4):
+        group = config.num_kv_heads * config.head_dim
+        cost = 2 * config.num_layers * (group * bits / 8 + 2 * 2)  # codes, fp16 scale and zero
+        bpb = bits_per_byte(llm, windows, "auto", "per_token", grouped_over_heads(bits))
+        results[f"int{bits}, one scale per token (what if)"] = {
+            "bits_per_byte": round(bpb, 4),
+            "bytes_per_token": cost,
+            "blocks_in_256MiB": int(BUDGET // (cost * BLOCK)),
+        }
     base = results["16-bit"]
     for row in results.values():
         row["bits_per_byte_change_pct"] = round(
