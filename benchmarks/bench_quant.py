@@ -11,10 +11,9 @@ library):
   quantized: none waits in the residual);
 - bytes per token (a 16-bit model: 16-bit values, or codes with 16-bit scales and zeros) and
   blocks of 16 tokens in a 256 MiB budget;
-- two *what-if* rows, a format the engine does not store: INT8 and INT4 with one scale and zero
-  per token over all KV heads (a group of ``kv_heads * head_dim``), fake-quantized (quantized
-  and dequantized) into an unquantized cache: the quality and capacity such a format would give
-  (at vkv-tiny's head_dim of 32, per-head scales weigh too much to reach 1.9x and 3.5x);
+- INT8 and INT4 with one scale and zero per token over all KV heads (``kv_quant_group="token"``,
+  a group of ``kv_heads * head_dim``): at vkv-tiny's head_dim of 32, per-head scales weigh too
+  much to reach 1.9x and 3.5x the blocks of 16-bit KV;
 - greedy agreement with the unquantized cache: 32 held-out prompts of 64 bytes, 256 generated
   tokens each, the share of tokens before the first difference, and how many are identical;
 - decode throughput of that generation on this machine (the fastest of ``--rounds``
@@ -34,7 +33,6 @@ import math
 import sysconfig
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from rich.console import Console
@@ -42,7 +40,6 @@ from rich.table import Table
 
 from vkv import LLM, SamplingParams
 from vkv.engine.cache_engine import CacheEngine, CacheShape
-from vkv.engine.quantizer import Quantizer, bytes_per_token
 from vkv.kernels import reference
 from vkv.models.qwen3 import AttentionMetadata
 
@@ -50,12 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 256
 BLOCK = 16
 BUDGET = 256 << 20
-FORMATS = {  # name: (kv_cache_dtype, key granularity)
-    "16-bit": ("auto", "per_token"),
-    "int8 per token": ("int8", "per_token"),
-    "int4 per token": ("int4", "per_token"),
-    "int8 keys per channel": ("int8", "per_channel"),
-    "int4 keys per channel": ("int4", "per_channel"),
+FORMATS = {  # name: (kv_cache_dtype, key granularity, quantization group)
+    "16-bit": ("auto", "per_token", "head"),
+    "int8 per token": ("int8", "per_token", "head"),
+    "int4 per token": ("int4", "per_token", "head"),
+    "int8 keys per channel": ("int8", "per_channel", "head"),
+    "int4 keys per channel": ("int4", "per_channel", "head"),
+    "int8, one scale per token": ("int8", "per_token", "token"),
+    "int4, one scale per token": ("int4", "per_token", "token"),
 }
 
 
@@ -69,27 +68,8 @@ def held_out_stream() -> torch.Tensor:
     return held_out
 
 
-def grouped_over_heads(bits: int) -> SimpleNamespace:
-    """The reference kernels over an unquantized cache whose keys and values are stored after a
-    round trip through one quantization group per token over all KV heads (what-if rows)."""
-    quantizer = Quantizer(bits)
-
-    def round_trip(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(x.shape[0], 1, -1)  # [tokens, 1, kv_heads * head_dim]: one group
-        return quantizer.dequantize(quantizer.quantize(flat)).view_as(x).to(x.dtype)
-
-    def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
-        reference.store_kvcache(round_trip(key), round_trip(value), k_cache, v_cache, slot_mapping)
-
-    return SimpleNamespace(
-        store_kvcache=store_kvcache,
-        paged_prefill_attention=reference.paged_prefill_attention,
-        paged_decode_attention=reference.paged_decode_attention,
-    )
-
-
 @torch.inference_mode()
-def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str, backend=reference) -> float:
+def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str, group: str) -> float:
     """Teacher-forced next-token loss over ``windows`` [n, WINDOW + 1], in bits per byte."""
     model, config = llm.engine.model, llm.engine.model.config
     per_window = WINDOW // BLOCK
@@ -103,6 +83,7 @@ def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str, backend=r
             torch.float32,
             kv,
             keys,
+            group,
         )
         cache = CacheEngine(shape, len(batch) * per_window, 0, torch.device("cpu"), len(batch))
         cache.plan_step(list(range(len(batch) * WINDOW)))
@@ -116,7 +97,7 @@ def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str, backend=r
         )
         positions = torch.arange(WINDOW).repeat(len(batch))
         caches = [cache.layer(i) for i in range(config.num_layers)]
-        logits = model(batch[:, :-1].flatten(), positions, caches, meta, backend)
+        logits = model(batch[:, :-1].flatten(), positions, caches, meta, reference)
         total += torch.nn.functional.cross_entropy(
             logits.float(), batch[:, 1:].flatten(), reduction="sum"
         ).item()
@@ -131,11 +112,12 @@ def generate_all(prompts: list[list[int]], rounds: int) -> dict[str, tuple[list[
         name: LLM(
             kv_cache_dtype=kv,
             key_granularity=keys,
+            kv_quant_group=group,
             block_size=BLOCK,
             num_gpu_blocks=1024,
             max_num_seqs=64,
         )
-        for name, (kv, keys) in FORMATS.items()
+        for name, (kv, keys, group) in FORMATS.items()
     }
     tokens: dict[str, list[list[int]]] = {}
     fastest = dict.fromkeys(engines, 0.0)
@@ -180,12 +162,20 @@ def main() -> None:
     generated = generate_all(prompts, args.rounds)
     base_tokens, base_speed = generated["16-bit"]
     results = {}
-    for name, (kv, keys) in FORMATS.items():
-        cost = bytes_per_token(
-            config.num_layers, config.num_kv_heads, config.head_dim, kv, keys, BLOCK, 2
+    for name, (kv, keys, group) in FORMATS.items():
+        shape = CacheShape(
+            config.num_layers,
+            BLOCK,
+            config.num_kv_heads,
+            config.head_dim,
+            torch.float16,
+            kv,
+            keys,
+            group,
         )
+        cost = shape.block_bytes / BLOCK  # a 16-bit model: 16-bit scales
         row = {
-            "bits_per_byte": round(bits_per_byte(llm, windows, kv, keys), 4),
+            "bits_per_byte": round(bits_per_byte(llm, windows, kv, keys, group), 4),
             "bytes_per_token": cost,
             "blocks_in_256MiB": int(BUDGET // (cost * BLOCK)),  # 16-bit model and scales
         }
@@ -198,15 +188,6 @@ def main() -> None:
             "decode_speed_ratio": round(speed / base_speed, 3),
         }
         results[name] = row
-    for bits in (8, 4):
-        group = config.num_kv_heads * config.head_dim
-        cost = 2 * config.num_layers * (group * bits / 8 + 2 * 2)  # codes, fp16 scale and zero
-        bpb = bits_per_byte(llm, windows, "auto", "per_token", grouped_over_heads(bits))
-        results[f"int{bits}, one scale per token (what if)"] = {
-            "bits_per_byte": round(bpb, 4),
-            "bytes_per_token": cost,
-            "blocks_in_256MiB": int(BUDGET // (cost * BLOCK)),
-        }
     base = results["16-bit"]
     for row in results.values():
         row["bits_per_byte_change_pct"] = round(

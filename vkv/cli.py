@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from vkv.assignment.parts import MANIFEST, Assignment
-from vkv.config import GRANULARITIES, KV_CACHE_DTYPES
+from vkv.config import GRANULARITIES, KV_CACHE_DTYPES, QUANT_GROUPS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +90,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         backend=args.backend,
         kv_cache_dtype=args.kv_cache_dtype,
         key_granularity=args.key_granularity,
+        kv_quant_group=args.kv_quant_group,
     )
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
@@ -113,6 +114,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             live=console.is_terminal and not args.no_live,
             kv_cache_dtype=args.kv_cache_dtype,
             key_granularity=args.key_granularity,
+            kv_quant_group=args.kv_quant_group,
         )
     except NotImplementedError as exc:
         if not str(exc).startswith("part "):
@@ -211,13 +213,20 @@ def _reference_root(args: argparse.Namespace) -> Path:
     return root
 
 
-def _key_granularity_option(command: argparse.ArgumentParser) -> None:
+def _quantization_options(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--key-granularity",
         choices=list(GRANULARITIES),
         default="per_token",
         help="with int8 / int4: quantize keys per token and head, or per channel over each block "
         "(KIVI: a block's keys wait in full precision until it fills)",
+    )
+    command.add_argument(
+        "--kv-quant-group",
+        choices=list(QUANT_GROUPS),
+        default="head",
+        help="with int8 / int4: a per-token scale covers one KV head, or all of a token's "
+        "(fewer scales: more blocks, a little less precision)",
     )
 
 
@@ -278,7 +287,7 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="store the KV cache quantized (int8, int4: per token and head)",
     )
-    _key_granularity_option(generate)
+    _quantization_options(generate)
     generate.set_defaults(run=_generate)
 
     demo = commands.add_parser(
@@ -298,7 +307,7 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="quantize the KV cache: the same bytes hold more blocks",
     )
-    _key_granularity_option(demo)
+    _quantization_options(demo)
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser("bench", help="benchmarks of the runtime")

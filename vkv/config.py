@@ -10,6 +10,7 @@ from enum import Enum
 
 KV_CACHE_DTYPES = {"auto": 16, "int8": 8, "int4": 4}  # bits per stored element (Phase 3)
 GRANULARITIES = ("per_token", "per_channel")  # how quantized keys are grouped (Phase 3)
+QUANT_GROUPS = ("head", "token")  # what a per-token scale covers: one head, or every KV head
 
 
 def check_kv_cache_dtype(name: object) -> None:
@@ -25,6 +26,14 @@ def check_key_granularity(name: object, kv_cache_dtype: str) -> None:
         raise ValueError(f"key_granularity must be one of {allowed}, got {name!r}")
     if name == "per_channel" and kv_cache_dtype == "auto":
         raise ValueError("keys per channel need a quantized KV cache (kv_cache_dtype int8 or int4)")
+
+
+def check_quant_group(name: object, kv_cache_dtype: str) -> None:
+    """A per-token scale and zero cover one KV head (LMDeploy's) or all of a token's KV heads."""
+    if name not in QUANT_GROUPS:
+        raise ValueError(f"kv_quant_group must be one of {', '.join(QUANT_GROUPS)}, got {name!r}")
+    if name == "token" and kv_cache_dtype == "auto":
+        raise ValueError("a quantization group needs a quantized KV cache (int8 or int4)")
 
 
 class PreemptionMode(Enum):
@@ -51,6 +60,7 @@ class Config:
     eos_token_id: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "int4" (Phase 3)
     key_granularity: str = "per_token"  # quantized keys "per_token" or "per_channel" (KIVI)
+    kv_quant_group: str = "head"  # a per-token scale covers one KV head, or a "token"'s all
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs"):
@@ -70,6 +80,7 @@ class Config:
             ) from None
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_key_granularity(self.key_granularity, self.kv_cache_dtype)
+        check_quant_group(self.kv_quant_group, self.kv_cache_dtype)
         if self.max_num_batched_tokens is None:
             default = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
             self.max_num_batched_tokens = max(default, self.max_num_seqs)

@@ -83,6 +83,7 @@ def run_demo(
     live: bool = True,
     kv_cache_dtype: str = "auto",
     key_granularity: str = "per_token",
+    kv_quant_group: str = "head",
 ) -> DemoSummary:
     """Serve ``requests`` prompts and show each step; return what happened.
 
@@ -110,6 +111,7 @@ def run_demo(
         max_num_seqs=requests,
         kv_cache_dtype=kv_cache_dtype,
         key_granularity=key_granularity,
+        kv_quant_group=kv_quant_group,
     )
     lengths = random.Random(0)
     for i in range(requests):

@@ -25,30 +25,35 @@ HEADS, DIM, BLOCK = 2, 8, 4
 PLANES = ("codes", "key scale", "key zero", "value scale", "value zero")
 
 
-def quantized_engine(bits: int, blocks: int = 6, cpu_blocks: int = 4) -> CacheEngine:
-    shape = CacheShape(2, BLOCK, HEADS, DIM, torch.float32, f"int{bits}")
+def quantized_engine(
+    bits: int, blocks: int = 6, cpu_blocks: int = 4, group: str = "head"
+) -> CacheEngine:
+    shape = CacheShape(2, BLOCK, HEADS, DIM, torch.float32, f"int{bits}", quant_group=group)
     return CacheEngine(shape, blocks, cpu_blocks, torch.device("cpu"))
 
 
-def round_trip(x: torch.Tensor, bits: int) -> torch.Tensor:
+def round_trip(x: torch.Tensor, bits: int, group: str = "head") -> torch.Tensor:
+    """Per token: one group per KV head, or (``group="token"``) one for all of a token's."""
     quantizer = Quantizer(bits)
-    return quantizer.dequantize(quantizer.quantize(x))
+    grouped = x if group == "head" else x.reshape(x.shape[0], 1, -1)
+    return quantizer.dequantize(quantizer.quantize(grouped)).view_as(x)
 
 
+@pytest.mark.parametrize("group", ["head", "token"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_stored_tokens_read_back_as_their_dequantized_values(bits):
-    k_cache, v_cache = quantized_engine(bits).layer(1)
+def test_stored_tokens_read_back_as_their_dequantized_values(bits, group):
+    k_cache, v_cache = quantized_engine(bits, group=group).layer(1)
     keys, values = torch.randn(5, HEADS, DIM) * 3, torch.randn(5, HEADS, DIM)
     slots = torch.tensor([0, 1, -1, 9, 5])  # -1: padding, skipped
     reference.store_kvcache(keys, values, k_cache, v_cache, slots)
     table = torch.tensor([[0, 1, 2]])
     got = reference.gather_blocks(k_cache, table, into="keys")[0].transpose(0, 1)  # [12, H, D]
-    expected = round_trip(keys, bits)
+    expected = round_trip(keys, bits, group)
     for row, slot in ((0, 0), (1, 1), (3, 9), (4, 5)):
         assert torch.equal(got[slot], expected[row]), f"slot {slot} holds token {row}"
     assert torch.equal(got[2], torch.zeros(HEADS, DIM)), "the padded token wrote nothing"
     values_back = reference.gather_blocks(v_cache, table, into="values")[0].transpose(0, 1)
-    assert torch.equal(values_back[9], round_trip(values, bits)[3])
+    assert torch.equal(values_back[9], round_trip(values, bits, group)[3])
 
 
 def test_a_token_that_cannot_be_quantized_leaves_the_cache_as_it_was():
@@ -80,10 +85,11 @@ def dense(query, keys, values, scale, causal_from=None):
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
+@pytest.mark.parametrize("group", ["head", "token"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_paged_attention_equals_dense_attention_on_the_dequantized_values(bits):
+def test_paged_attention_equals_dense_attention_on_the_dequantized_values(bits, group):
     torch.manual_seed(bits)
-    k_cache, v_cache = quantized_engine(bits, blocks=8).layer(0)
+    k_cache, v_cache = quantized_engine(bits, blocks=8, group=group).layer(0)
     tables = torch.tensor([[3, 0, 5], [6, 1, -1]])
     lengths = [11, 6]
     stored = []
@@ -91,7 +97,7 @@ def test_paged_attention_equals_dense_attention_on_the_dequantized_values(bits):
         keys, values = torch.randn(length, HEADS, DIM) * 2, torch.randn(length, HEADS, DIM)
         slots = torch.tensor([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(length)])
         reference.store_kvcache(keys, values, k_cache, v_cache, slots)
-        stored.append((round_trip(keys, bits), round_trip(values, bits)))
+        stored.append((round_trip(keys, bits, group), round_trip(values, bits, group)))
     scale = DIM**-0.5
     query = torch.randn(2, 4, DIM)
     out = reference.paged_decode_attention(
@@ -140,11 +146,13 @@ def assert_triton_reads_as_the_reference(caches, tables: list, lengths: list[int
     assert torch.allclose(got, expected, atol=2e-5), "prefill: triton against the reference"
 
 
+@pytest.mark.parametrize("group", ["head", "token"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_the_triton_kernels_store_and_read_what_the_reference_does(bits):
+def test_the_triton_kernels_store_and_read_what_the_reference_does(bits, group):
     """Triton quantizes on store and dequantizes on load (here under the interpreter)."""
     torch.manual_seed(10 + bits)
-    ours, theirs = quantized_engine(bits, blocks=8), quantized_engine(bits, blocks=8)
+    ours = quantized_engine(bits, blocks=8, group=group)
+    theirs = quantized_engine(bits, blocks=8, group=group)
     keys, values = torch.randn(20, HEADS, DIM) * 2, torch.randn(20, HEADS, DIM)
     slots = torch.tensor([*range(19), -1])
     reference.store_kvcache(keys, values, *theirs.layer(1), slots)
@@ -163,8 +171,10 @@ def test_the_triton_store_refuses_nan_before_writing():
     assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes), "nothing written"
 
 
-@pytest.mark.parametrize("keys", ["per_token", "per_channel"])
-def test_int8_kv_generates_the_same_tokens_on_both_backends(keys):
+@pytest.mark.parametrize(
+    ("keys", "group"), [("per_token", "head"), ("per_channel", "head"), ("per_token", "token")]
+)
+def test_int8_kv_generates_the_same_tokens_on_both_backends(keys, group):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["def fibonacci(n):\n", "import os\n"]
     outputs = [
@@ -172,6 +182,7 @@ def test_int8_kv_generates_the_same_tokens_on_both_backends(keys):
             backend=backend,
             kv_cache_dtype="int8",
             key_granularity=keys,
+            kv_quant_group=group,
             block_size=4,
             num_gpu_blocks=16,
         ).generate(prompts, params, use_progress=False)
@@ -212,6 +223,16 @@ def test_a_byte_budget_holds_more_quantized_blocks(dtype, kv, ratio):
     assert quantized.block_bytes == 16 * bytes_per_token(4, 4, 32, kv, scale_bytes=element)
     budget = 1000 * plain.block_bytes
     assert quantized.num_blocks_for(budget) == int(1000 * ratio)
+
+
+@pytest.mark.parametrize(("kv", "ratio"), [("int8", 256 / 132), ("int4", 256 / 68)])
+def test_one_scale_per_token_meets_the_capacity_bars_at_head_dim_32(kv, ratio):
+    """A group of all 4 heads (128 values) per token: 1.94x and 3.76x the blocks of fp16."""
+    plain = CacheShape(4, 16, 4, 32, torch.float16)
+    grouped = CacheShape(4, 16, 4, 32, torch.float16, kv, quant_group="token")
+    assert grouped.block_bytes == 16 * bytes_per_token(4, 1, 128, kv, scale_bytes=2)
+    assert grouped.num_blocks_for(1000 * plain.block_bytes) == int(1000 * ratio)
+    assert ratio >= (1.9 if kv == "int8" else 3.5)
 
 
 def test_bad_quantized_options_are_refused():
@@ -255,8 +276,10 @@ def test_generate_takes_a_kv_cache_dtype(capsys):
 # Keys per channel (KIVI): the residual holds a partial block's keys until the block fills.
 
 
-def channel_engine(bits: int, blocks: int = 8, cpu_blocks: int = 4, slots: int = 4) -> CacheEngine:
-    shape = CacheShape(2, BLOCK, HEADS, DIM, torch.float32, f"int{bits}", "per_channel")
+def channel_engine(
+    bits: int, blocks: int = 8, cpu_blocks: int = 4, slots: int = 4, group: str = "head"
+) -> CacheEngine:
+    shape = CacheShape(2, BLOCK, HEADS, DIM, torch.float32, f"int{bits}", "per_channel", group)
     return CacheEngine(shape, blocks, cpu_blocks, torch.device("cpu"), residual_slots=slots)
 
 
@@ -420,10 +443,12 @@ def test_paged_attention_with_keys_per_channel_equals_dense_attention(bits):
         assert torch.allclose(out[start : start + count], expected, atol=1e-5), f"prefill {i}"
 
 
+@pytest.mark.parametrize("group", ["head", "token"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_the_triton_kernels_handle_keys_per_channel_as_the_reference_does(bits):
+def test_the_triton_kernels_handle_keys_per_channel_as_the_reference_does(bits, group):
+    """Values grouped per head or per token (all heads), keys per channel with a residual."""
     torch.manual_seed(30 + bits)
-    ours, theirs = channel_engine(bits), channel_engine(bits)
+    ours, theirs = channel_engine(bits, group=group), channel_engine(bits, group=group)
     keys, values = torch.randn(18, HEADS, DIM) * 2, torch.randn(18, HEADS, DIM)
     slots = slots_of([0, 1, 2], 0, 11) + slots_of([5, 6], 0, 7)
     store(theirs, keys, values, slots)
@@ -500,5 +525,11 @@ def test_keys_per_channel_are_an_option_of_the_cli_and_of_the_budget(capsys):
     assert shape.residual_bytes(3) == 3 * 16 * 4 * 4 * 32 * 2, "full-precision keys, every layer"
     with pytest.raises(ValueError, match="key_granularity must be one of per_token, per_channel"):
         CacheShape(1, 4, 1, 8, torch.float32, "int8", "per_block")
+    with pytest.raises(ValueError, match="kv_quant_group must be one of head, token, got 'layer'"):
+        CacheShape(1, 4, 1, 8, torch.float32, "int8", quant_group="layer")
+    with pytest.raises(ValueError, match="a quantization group needs a quantized KV cache"):
+        CacheShape(1, 4, 1, 8, torch.float32, quant_group="token")
+    assert main([*argv, "--kv-cache-dtype", "int4", "--kv-quant-group", "token"]) == 0
+    assert "int4, one scale per token:" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"the key residual .* fills the KV budget"):
         LLMEngine(kv_cache_dtype="int8", key_granularity="per_channel", kv_cache_bytes=4096)

@@ -80,6 +80,7 @@ class LLMEngine:
         preemption_mode: str = "auto",
         kv_cache_dtype: str = "auto",
         key_granularity: str = "per_token",
+        kv_quant_group: str = "head",
         backend: str | None = None,
         device: str | None = None,
     ) -> None:
@@ -112,6 +113,7 @@ class LLMEngine:
             dtype,
             kv_cache_dtype,
             key_granularity,
+            kv_quant_group,
         )
         residual_slots = 2 * max_num_seqs  # keys per channel: see key_residual.py
         if num_gpu_blocks is None and kv_cache_bytes is None:
@@ -139,6 +141,7 @@ class LLMEngine:
             eos_token_id=eos,
             kv_cache_dtype=kv_cache_dtype,
             key_granularity=key_granularity,
+            kv_quant_group=kv_quant_group,
         )
         self.scheduler = Scheduler(self.config)
         self.cache_engine = CacheEngine(
@@ -305,8 +308,11 @@ def _capacity_note(shape: CacheShape) -> str:
     """For a quantized cache: its format, and how many more blocks a byte holds than unquantized."""
     if not shape.quantized:
         return ""
-    plain = replace(shape, kv_cache_dtype="auto", key_granularity="per_token").block_bytes
+    plain = replace(
+        shape, kv_cache_dtype="auto", key_granularity="per_token", quant_group="head"
+    ).block_bytes
     keys = ", keys per channel" if shape.per_channel_keys else ""
+    keys += ", one scale per token" if shape.quant_group == "token" else ""
     return (
         f", {shape.kv_cache_dtype}{keys}: {plain / shape.block_bytes:.2f}x the blocks of "
         f"{shape.dtype}"

@@ -41,17 +41,25 @@ def store_kvcache(
             pairs = [(v_cache, value)]
         else:
             pairs = [(k_cache, key), (v_cache, value)]
-        quantized = [(cache, Quantizer(cache.bits).quantize(x[keep])) for cache, x in pairs]
+        quantized = [
+            (cache, Quantizer(cache.bits).quantize(_groups(x[keep], cache))) for cache, x in pairs
+        ]
         for cache, q in quantized:
             for plane, part in (
                 (cache.codes, q.codes),
                 (cache.scale, q.scale),
                 (cache.zero, q.zero),
             ):
-                _slots(plane)[slots] = part.to(plane.dtype)
+                _slots(plane)[slots] = part.reshape(-1, *plane.shape[2:]).to(plane.dtype)
         return
     _slots(k_cache)[slots] = key[keep].to(k_cache.dtype)
     _slots(v_cache)[slots] = value[keep].to(v_cache.dtype)
+
+
+def _groups(x: torch.Tensor, cache: QuantizedCache) -> torch.Tensor:
+    """``x [tokens, kv_heads, head_dim]`` as ``[tokens, groups, ...]``: one quantization group
+    per KV head, or one for all (the cache's per-token scale planes say which)."""
+    return x.reshape(x.shape[0], cache.scale.shape[2], -1)
 
 
 def refuse_non_finite(key: torch.Tensor, value: torch.Tensor) -> None:

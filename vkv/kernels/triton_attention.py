@@ -79,20 +79,24 @@ def store_kvcache(
             store_keys_per_channel(key, k_cache)
             pairs = pairs[1:]
         for rows, cache in pairs:
-            _store_quantized_kernel[(num_tokens, num_kv_heads)](
+            groups = cache.scale.shape[2]  # per KV head, or one group for all of a token's
+            codes = cache.codes.view(*cache.codes.shape[:2], groups, -1)
+            rows = rows.view(num_tokens, groups, -1)
+            width = row // groups
+            _store_quantized_kernel[(num_tokens, groups)](
                 rows,
-                cache.codes,
+                codes,
                 cache.scale,
                 cache.zero,
                 slot_mapping,
                 rows.stride(0),
                 rows.stride(1),
-                cache.codes.stride(1),
-                cache.codes.stride(2),
+                codes.stride(1),
+                codes.stride(2),
                 cache.scale.stride(1),
                 cache.scale.stride(2),
-                HEAD_DIM=head_dim,
-                BLOCK_D=max(2, triton.next_power_of_2(head_dim)),
+                HEAD_DIM=width,
+                BLOCK_D=max(2, triton.next_power_of_2(width)),
                 BITS=cache.bits,
             )
         return
@@ -470,15 +474,21 @@ def _cache_args(
         v_cache.scale,
         v_cache.zero,
     ]
-    strides = [*k_cache.codes.stride()[:3], *v_cache.scale.stride()[:3]]
+    strides = [*k_cache.codes.stride()[:3], *_scale_strides(v_cache), *_scale_strides(k_cache)]
     if not k_cache.per_channel:
         pointers += [k_cache.codes] * 2
-        strides += [*k_cache.scale.stride()[:3], 0, 0, 0]
-        return pointers, strides, k_cache.bits, False
-    block, _, head = k_cache.scale.stride()[:3]
+        return pointers, [*strides, 0, 0, 0], k_cache.bits, False
     pointers += [k_cache.residual, k_cache.residual_slot]
-    strides += [block, 0, head, *k_cache.residual.stride()[:3]]
-    return pointers, strides, k_cache.bits, True
+    return pointers, [*strides, *k_cache.residual.stride()[:3]], k_cache.bits, True
+
+
+def _scale_strides(cache: QuantizedCache) -> list[int]:
+    """The strides of a block, a slot and a KV head in ``cache``'s scales; 0 along a dimension
+    of size 1 (keys per channel: one row per block; a group of all heads: one per token)."""
+    return [
+        stride if size > 1 else 0
+        for size, stride in zip(cache.scale.shape[:3], cache.scale.stride()[:3], strict=True)
+    ]
 
 
 def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
