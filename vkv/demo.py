@@ -251,4 +251,6 @@ def _summary_table(summary: DemoSummary, engine: LLMEngine) -> Table:
 
 
 def _keys_note(config: Config) -> str:
-    return ", keys per channel" if config.key_granularity == "per_channel" else ""
+    """The quantized format's options that differ from the default, as the summary names them."""
+    keys = ", keys per channel" if config.key_granularity == "per_channel" else ""
+    return keys + (", one scale per token" if config.kv_quant_group == "token" else "")
