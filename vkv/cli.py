@@ -88,9 +88,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         gpu_memory_fraction=args.gpu_memory_fraction,
         max_model_len=args.max_model_len,
         backend=args.backend,
-        kv_cache_dtype=args.kv_cache_dtype,
-        key_granularity=args.key_granularity,
-        kv_quant_group=args.kv_quant_group,
+        **_quantization(args),
     )
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
@@ -112,9 +110,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             preemption_mode=args.preemption_mode,
             max_tokens=args.max_tokens,
             live=console.is_terminal and not args.no_live,
-            kv_cache_dtype=args.kv_cache_dtype,
-            key_granularity=args.key_granularity,
-            kv_quant_group=args.kv_quant_group,
+            **_quantization(args),
         )
     except NotImplementedError as exc:
         if not str(exc).startswith("part "):
@@ -214,6 +210,13 @@ def _reference_root(args: argparse.Namespace) -> Path:
 
 
 def _quantization_options(command: argparse.ArgumentParser) -> None:
+    """The KV-cache format options (Phase 3), the same for every command that runs the model."""
+    command.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default="auto",
+        help="store the KV cache quantized (int8, int4): the same bytes hold more blocks",
+    )
     command.add_argument(
         "--key-granularity",
         choices=list(GRANULARITIES),
@@ -228,6 +231,15 @@ def _quantization_options(command: argparse.ArgumentParser) -> None:
         help="with int8 / int4: a per-token scale covers one KV head, or all of a token's "
         "(fewer scales: more blocks, a little less precision)",
     )
+
+
+def _quantization(args: argparse.Namespace) -> dict[str, str]:
+    """The engine's keyword arguments for the options of ``_quantization_options``."""
+    return {
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "key_granularity": args.key_granularity,
+        "kv_quant_group": args.kv_quant_group,
+    }
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -281,12 +293,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--max-model-len", type=int, default=2048)
     generate.add_argument("--backend", choices=["torch", "triton"])
-    generate.add_argument(
-        "--kv-cache-dtype",
-        choices=list(KV_CACHE_DTYPES),
-        default="auto",
-        help="store the KV cache quantized (int8, int4: per token and head)",
-    )
     _quantization_options(generate)
     generate.set_defaults(run=_generate)
 
@@ -301,12 +307,6 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--preemption-mode", choices=["swap", "recompute"], default="swap")
     demo.add_argument("--max-tokens", type=int, default=160, help="the longest completion")
     demo.add_argument("--no-live", action="store_true", help="print only the summary")
-    demo.add_argument(
-        "--kv-cache-dtype",
-        choices=list(KV_CACHE_DTYPES),
-        default="auto",
-        help="quantize the KV cache: the same bytes hold more blocks",
-    )
     _quantization_options(demo)
     demo.set_defaults(run=_demo)
 

@@ -106,7 +106,7 @@ def check_residual_after_each_apply(engine: LLMEngine) -> None:
             (residual.gpu_blocks, running, "GPU"),
             (residual.cpu_blocks, swapped, "CPU"),
         ):
-            partial = partial_blocks([(s.block_table, s.num_computed_tokens) for s in seqs], size)
+            partial = partial_blocks(seqs, size)
             assert blocks <= partial, f"{where} blocks {blocks - partial} hold stale residual rows"
 
     engine.runner.apply_block_maps = checked
@@ -154,11 +154,8 @@ def check_key_residual(engine: LLMEngine, residual) -> None:
         (scheduler.running, residual.gpu_blocks),
         (scheduler.swapped, residual.cpu_blocks),
     ):
-        for seq in queue:
-            stored = seq.num_computed_tokens
-            if stored % size:
-                block = seq.block_table[stored // size]
-                assert block in held, f"{seq}: the keys of partial block {block} are lost"
+        lost = partial_blocks(queue, size) - held
+        assert not lost, f"the keys of partial blocks {lost} are lost"
     assert residual.num_used <= 2 * engine.config.max_num_seqs
 
 

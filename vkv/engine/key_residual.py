@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vkv.engine.sequence import Sequence
+
 
 @dataclass(slots=True, frozen=True)
 class KeyPlan:
@@ -222,7 +224,11 @@ class KeyResidual:
             del self._swapped[cpu]
 
 
-def partial_blocks(tables: Iterable[tuple[list[int], int]], block_size: int) -> set[int]:
-    """For each ``(block_table, num_stored_tokens)``, the block that holds the partial tail of
-    the stored tokens (none when they fill whole blocks)."""
-    return {table[stored // block_size] for table, stored in tables if stored % block_size}
+def partial_blocks(seqs: Iterable[Sequence], block_size: int) -> set[int]:
+    """For each sequence, the block that holds the partial tail of its stored tokens
+    (``num_computed_tokens``; none when they fill whole blocks)."""
+    return {
+        seq.block_table[seq.num_computed_tokens // block_size]
+        for seq in seqs
+        if seq.num_computed_tokens % block_size
+    }

@@ -83,8 +83,8 @@ class ModelRunner:
         partial_gpu, partial_cpu = set(), set()
         if self.cache_engine.residual is not None:
             size = self.cache_engine.shape.block_size
-            partial_gpu = partial_blocks(_stored(running), size)
-            partial_cpu = partial_blocks(_stored(swapped), size)
+            partial_gpu = partial_blocks(running, size)
+            partial_cpu = partial_blocks(swapped, size)
         self.cache_engine.apply(
             out.blocks_to_swap_out,
             out.blocks_to_swap_in,
@@ -119,10 +119,6 @@ class ModelRunner:
             sample(row, p, item.seq.num_tokens)
             for row, p, item in zip(last, params, scheduled, strict=True)
         ]
-
-
-def _stored(seqs: Iterable[Sequence]) -> list[tuple[list[int], int]]:
-    return [(seq.block_table, seq.num_computed_tokens) for seq in seqs]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
