@@ -23,6 +23,7 @@ from hypothesis_settings import graded_settings, run_counted_machine
 
 from vkv.config import Config
 from vkv.engine.block import Device
+from vkv.engine.block_manager import BlockManager
 from vkv.engine.scheduler import (
     ScheduledSequence,
     Scheduler,
@@ -389,6 +390,50 @@ def test_part1_a_later_prompt_holds_back_the_ones_behind_it_with_chunked_prefill
     out = s.schedule()
     assert planned(out) == [(0, 12, True)], (
         f"FCFS holds with chunked prefill too: nobody overtakes a LATER prompt, got {planned(out)}"
+    )
+
+
+class CachedPrefixBlockManager(BlockManager):
+    """A BlockManager that reports the first 8 tokens of every prompt as cached, and counts them
+    computed when it allocates (what prefix caching, Phase 4, does): part 2.1 alone."""
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        return 8
+
+    def allocate(self, seq: Sequence) -> None:
+        super().allocate(seq)
+        seq.num_computed_tokens = 8
+
+
+def with_cached_prefix(s: Scheduler) -> Scheduler:
+    c = s.config
+    s.block_manager = CachedPrefixBlockManager(c.block_size, c.num_gpu_blocks, 0, c.watermark)
+    return s
+
+
+def test_part1_a_cached_prefix_is_not_computed_or_charged_again():
+    s = with_cached_prefix(make_scheduler(max_num_batched_tokens=64, max_num_seqs=8))
+    for seq_id in range(5):
+        make_seq(s, seq_id, 20)
+    out = s.schedule()
+    assert planned(out)[:1] == [(0, 12, True)], (
+        "a prompt of 20 tokens whose first 8 a prefix cache holds (block_manager."
+        "num_cached_tokens) is a prefill of the other 12; got " + str(planned(out)[:1])
+    )
+    assert planned(out) == [(i, 12, True) for i in range(5)], (
+        "the token budget (64) is charged only the 12 uncached tokens of each prompt, so five "
+        f"fit (5 x 12 = 60); got {planned(out)}"
+    )
+
+
+def test_part1_with_chunked_prefill_a_cached_prefix_leaves_more_of_the_budget():
+    s = with_cached_prefix(chunked())
+    make_seq(s, 0, 20)
+    make_seq(s, 1, 20)
+    out = s.schedule()
+    assert planned(out) == [(0, 12, True), (1, 4, True)], (
+        "with chunked prefill and 8 cached tokens per prompt, the first prompt computes its 12 "
+        f"uncached tokens and the second the 4 the budget of 16 leaves; got {planned(out)}"
     )
 
 

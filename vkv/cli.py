@@ -88,7 +88,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         gpu_memory_fraction=args.gpu_memory_fraction,
         max_model_len=args.max_model_len,
         backend=args.backend,
-        **_quantization(args),
+        **_kv_cache(args),
     )
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
@@ -110,7 +110,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             preemption_mode=args.preemption_mode,
             max_tokens=args.max_tokens,
             live=console.is_terminal and not args.no_live,
-            **_quantization(args),
+            **_kv_cache(args),
         )
     except NotImplementedError as exc:
         if not str(exc).startswith("part "):
@@ -209,8 +209,9 @@ def _reference_root(args: argparse.Namespace) -> Path:
     return root
 
 
-def _quantization_options(command: argparse.ArgumentParser) -> None:
-    """The KV-cache format options (Phase 3), the same for every command that runs the model."""
+def _kv_cache_options(command: argparse.ArgumentParser) -> None:
+    """The KV-cache options (formats, Phase 3; prefix caching, Phase 4), the same for every
+    command that runs the model."""
     command.add_argument(
         "--kv-cache-dtype",
         choices=list(KV_CACHE_DTYPES),
@@ -231,14 +232,20 @@ def _quantization_options(command: argparse.ArgumentParser) -> None:
         help="with int8 / int4: a per-token scale covers one KV head, or all of a token's "
         "(fewer scales: more blocks, a little less precision)",
     )
+    command.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="share the KV blocks of prompt prefixes computed before (a radix tree of blocks)",
+    )
 
 
-def _quantization(args: argparse.Namespace) -> dict[str, str]:
-    """The engine's keyword arguments for the options of ``_quantization_options``."""
+def _kv_cache(args: argparse.Namespace) -> dict[str, str | bool]:
+    """The engine's keyword arguments for the options of ``_kv_cache_options``."""
     return {
         "kv_cache_dtype": args.kv_cache_dtype,
         "key_granularity": args.key_granularity,
         "kv_quant_group": args.kv_quant_group,
+        "enable_prefix_caching": args.enable_prefix_caching,
     }
 
 
@@ -293,7 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--max-model-len", type=int, default=2048)
     generate.add_argument("--backend", choices=["torch", "triton"])
-    _quantization_options(generate)
+    _kv_cache_options(generate)
     generate.set_defaults(run=_generate)
 
     demo = commands.add_parser(
@@ -307,7 +314,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--preemption-mode", choices=["swap", "recompute"], default="swap")
     demo.add_argument("--max-tokens", type=int, default=160, help="the longest completion")
     demo.add_argument("--no-live", action="store_true", help="print only the summary")
-    _quantization_options(demo)
+    _kv_cache_options(demo)
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser("bench", help="benchmarks of the runtime")

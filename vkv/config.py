@@ -56,6 +56,7 @@ class Config:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False  # share computed blocks through a RadixCache (Phase 4)
     preemption_mode: PreemptionMode | str = PreemptionMode.AUTO
     eos_token_id: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "int4" (Phase 3)

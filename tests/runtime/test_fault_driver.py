@@ -18,12 +18,14 @@ tests/runtime/test_fault_driver.py`` runs the long one (20 seeds of 1,000 steps)
 import random
 
 import pytest
+from prefix_checks import check_prefix_cache
 from tiny_checkpoints import tiny_hf_model
 
 from vkv import SamplingParams
 from vkv.engine.block import Device
 from vkv.engine.key_residual import partial_blocks
 from vkv.engine.llm_engine import LLMEngine
+from vkv.engine.radix_cache import block_hash
 from vkv.engine.sequence import SequenceStatus
 
 MAX_MODEL_LEN = 64
@@ -70,12 +72,15 @@ def alone(folder):
     return completion
 
 
-def make_engine(folder, rng: random.Random, kv: dict[str, str]) -> LLMEngine:
-    """A pool of 8 to 48 tokens (smaller than many requests), a CPU pool of 0, 1 or 2 times it,
-    the KV format ``kv``; the model raises on poisoned prompts."""
+def make_engine(folder, rng: random.Random, kv: dict[str, str | bool]) -> LLMEngine:
+    """A pool of 8 to 48 tokens (smaller than many requests; 24 to 96 with prefix caching), a
+    CPU pool of 0, 1 or 2 times it, the KV options ``kv``; the model raises on poisoned prompts.
+    With prefix caching, one run in two hashes blocks into 4 values, so that most children
+    collide (a collision is a miss)."""
     chunked = rng.random() < 0.5
     block_size = rng.choice([1, 4, 16])
-    num_gpu_blocks = max(2, rng.randint(8, 48) // block_size)
+    pool_tokens = rng.randint(24, 96) if kv.get("enable_prefix_caching") else rng.randint(8, 48)
+    num_gpu_blocks = max(2, pool_tokens // block_size)
     engine = LLMEngine(
         folder,
         block_size=block_size,
@@ -89,6 +94,9 @@ def make_engine(folder, rng: random.Random, kv: dict[str, str]) -> LLMEngine:
         **kv,
     )
     engine.runner.model = PoisonedModel(engine.runner.model)
+    manager = engine.scheduler.block_manager
+    if kv.get("enable_prefix_caching") and rng.random() < 0.5:
+        manager.tree.hash_function = lambda parent, tokens: block_hash(parent, tokens) % 4
     if engine.cache_engine.residual is not None:
         check_residual_after_each_apply(engine)
     return engine
@@ -144,6 +152,8 @@ def check_invariants(engine: LLMEngine) -> None:
     residual = engine.cache_engine.residual
     if residual is not None:
         check_key_residual(engine, residual)
+    if engine.config.enable_prefix_caching:
+        check_prefix_cache(manager, scheduler.running)
 
 
 def check_key_residual(engine: LLMEngine, residual) -> None:
@@ -159,12 +169,19 @@ def check_key_residual(engine: LLMEngine, residual) -> None:
     assert residual.num_used <= 2 * engine.config.max_num_seqs
 
 
-def drive(folder, alone, seed: int, steps: int, kv: dict[str, str] | None = None) -> dict[str, int]:
+def drive(
+    folder, alone, seed: int, steps: int, kv: dict[str, str | bool] | None = None
+) -> dict[str, int]:
     """One randomized run; returns what happened, by kind. With a quantized ``kv`` format the
     completions are not compared with those served alone (a recomputed or chunked prefill reads
-    a block's keys quantized where a decode read them in full precision), only counted."""
+    a block's keys quantized where a decode read them in full precision), only counted. With
+    prefix caching, prompts share prefixes: one in two starts with one of three 16-token
+    prefixes, one in four repeats an earlier prompt with what it has generated so far (a next
+    turn of a chat), and the completions must equal those served alone without caching."""
     rng = random.Random(seed)
     engine = make_engine(folder, rng, kv or {})
+    caching = engine.config.enable_prefix_caching
+    quantized = engine.config.kv_cache_dtype != "auto"
     prompts: dict[int, list[int]] = {}
     reasons: dict[int, str] = {}
     seen = dict.fromkeys(("added", "refused", "aborted", "abort refused", "finished"), 0)
@@ -179,6 +196,8 @@ def drive(folder, alone, seed: int, steps: int, kv: dict[str, str] | None = None
         roll = rng.random()
         if roll < 0.2:
             prompt = [rng.randrange(POISON) for _ in range(rng.choice([1, 5, 20, 40, 70]))]
+            if caching:
+                prompt = shared_prefix(rng, engine, prompts) + prompt[: rng.choice([1, 8, 30])]
             prompt[0] = POISON if rng.random() < 0.15 else prompt[0]
             params = SamplingParams(max_tokens=rng.randint(1, 30), **GREEDY)
             try:
@@ -216,6 +235,7 @@ def drive(folder, alone, seed: int, steps: int, kv: dict[str, str] | None = None
         engine.sequence(request).status is SequenceStatus.FINISHED_IGNORED for request in prompts
     )
     seen["failed"] = sum(reason == "error" for reason in reasons.values())
+    seen["prefix hit tokens"] = getattr(engine.scheduler.block_manager, "num_hit_tokens", 0)
     for request, prompt in prompts.items():
         got = engine.sequence(request).completion_token_ids
         if prompt[0] == POISON:
@@ -224,11 +244,24 @@ def drive(folder, alone, seed: int, steps: int, kv: dict[str, str] | None = None
             )
             continue
         assert reasons.get(request) != "error", f"seed {seed}: request {request} failed"
-        if kv:
+        if quantized:
             continue
         expected = alone(prompt)[: len(got)]
         assert got == expected, f"seed {seed}, request {request}: {got} != alone {expected}"
     return seen
+
+
+def shared_prefix(rng: random.Random, engine: LLMEngine, prompts: dict[int, list[int]]):
+    """The start of a prompt that shares a prefix: nothing, one of three fixed 16-token
+    prefixes, or an earlier prompt with the tokens it has generated so far."""
+    roll = rng.random()
+    if roll < 0.5:
+        which = rng.randrange(3)
+        return [(7 * i + 3 * which) % POISON for i in range(16)]
+    if roll < 0.75 and prompts:
+        earlier = engine.sequence(rng.choice(list(prompts)))
+        return list(earlier.token_ids)
+    return []
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -242,6 +275,12 @@ def test_randomized_runs_with_keys_per_channel_never_lose_a_partial_block(folder
     kv = {"kv_cache_dtype": "int8", "key_granularity": "per_channel"}
     seen = drive(folder, alone, 50 + seed, steps=300, kv=kv)
     assert seen["added"] and seen["finished"] and seen["preemptions"] and seen["failed"], seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_runs_with_prefix_caching_give_the_outputs_served_alone(folder, alone, seed):
+    seen = drive(folder, alone, 200 + seed, steps=300, kv={"enable_prefix_caching": True})
+    assert seen["added"] and seen["finished"] and seen["prefix hit tokens"], seen
 
 
 @pytest.mark.slow

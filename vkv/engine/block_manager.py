@@ -155,6 +155,11 @@ class BlockManager:
         return self._device_of.get(seq.seq_id)
         ### END SOLUTION
 
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading prompt tokens whose K/V a prefix cache already holds, which ``allocate``
+        reuses instead of new blocks (given: 0 here; prefix caching, Phase 4, overrides it)."""
+        return 0
+
     def can_allocate(self, seq: Sequence) -> AllocStatus:
         """Whether the prompt's blocks fit now, later or never (see the module docstring)."""
         ### BEGIN SOLUTION part1.3

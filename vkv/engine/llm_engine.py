@@ -77,6 +77,7 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = False,
+        enable_prefix_caching: bool = False,
         preemption_mode: str = "auto",
         kv_cache_dtype: str = "auto",
         key_granularity: str = "per_token",
@@ -137,6 +138,7 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
             eos_token_id=eos,
             kv_cache_dtype=kv_cache_dtype,
@@ -222,8 +224,11 @@ class LLMEngine:
         """One scheduler step; what each request it touched gained.
 
         ``stats`` then holds the queues (running, waiting, swapped), the KV usage of each pool,
-        the preemptions so far, the blocks this step swapped out and in, its batched tokens and
-        tokens per second, and its wall time with the model's part of it (step_seconds,
+        the preemptions so far, the blocks this step swapped out and in and copied on write,
+        the block references the running sequences save by sharing (``shared_blocks``: table
+        entries less distinct blocks), the prompt tokens queried in the prefix cache and hit
+        so far (first admissions only; 0 without prefix caching), its batched tokens and tokens
+        per second, and its wall time with the model's part of it (step_seconds,
         model_seconds).
         """
         started = time.perf_counter()
@@ -243,6 +248,10 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "blocks_swapped_out": len(out.blocks_to_swap_out),
             "blocks_swapped_in": len(out.blocks_to_swap_in),
+            "blocks_copied": sum(map(len, out.blocks_to_copy.values())),
+            "shared_blocks": _shared_blocks(self.scheduler.running),
+            "prefix_cache_queries": getattr(manager, "num_query_tokens", 0),
+            "prefix_cache_hits": getattr(manager, "num_hit_tokens", 0),
             "batched_tokens": out.num_batched_tokens,
             "tokens_per_s": out.num_batched_tokens / elapsed if elapsed else 0.0,
             "step_seconds": elapsed,
@@ -293,6 +302,12 @@ class LLMEngine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+
+def _shared_blocks(running: list[Sequence]) -> int:
+    """Block-table entries of the running sequences that point at a block another entry holds."""
+    held = [block_id for seq in running for block_id in seq.block_table]
+    return len(held) - len(set(held))
 
 
 def default_device() -> torch.device:

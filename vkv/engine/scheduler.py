@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 from vkv.config import Config, PreemptionMode
 from vkv.engine.block_manager import AllocStatus, BlockManager
+from vkv.engine.prefix_caching import PrefixCachingBlockManager
 from vkv.engine.sequence import Sequence, SequenceStatus
 
 
@@ -142,7 +143,8 @@ class Scheduler:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.block_manager = BlockManager(
+        manager = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
+        self.block_manager = manager(
             config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.watermark
         )
         self.waiting: deque[Sequence] = deque()
@@ -234,9 +236,11 @@ class Scheduler:
         Take out and ignore (``_ignore``) a sequence longer than ``max_model_len`` (the reason
         names ``max_model_len``) or that can NEVER be allocated (``_never_fits``); stop at the first
         one that must wait (LATER, or over a budget). An admitted sequence gets its blocks,
-        becomes RUNNING, joins ``running`` in arrival order and is scheduled as a prefill of its
-        uncomputed tokens (with chunked prefill, of as many as the token budget leaves:
-        ``_prefill_chunk``; none left: stop).
+        becomes RUNNING, joins ``running`` in arrival order and is scheduled as a prefill of the
+        tokens it must compute: all but the ``block_manager.num_cached_tokens(seq)`` that a
+        prefix cache already holds (0 without one; ``allocate`` reuses their blocks and counts
+        them computed), and with chunked prefill as many of those as the token budget leaves
+        (none left: stop).
         """
         ### BEGIN SOLUTION part2.1
         while self.waiting:
@@ -256,9 +260,9 @@ class Scheduler:
                 continue
             if status is AllocStatus.LATER:
                 break
-            num_tokens = seq.num_tokens - seq.num_computed_tokens
+            num_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
             if self.config.enable_chunked_prefill:
-                num_tokens = self._prefill_chunk(seq, budget)
+                num_tokens = min(num_tokens, budget.remaining_tokens)
             if num_tokens == 0 or not budget.can_schedule(num_tokens, 1):
                 break
             self.waiting.popleft()
@@ -496,7 +500,7 @@ class Scheduler:
     def _prefill_chunk(self, seq: Sequence, budget: SchedulingBudget) -> int:
         """How many of the sequence's uncomputed tokens fit in what is left of the token budget.
 
-        Given (admission, swap-in and the chunk pass all use it).
+        Given (swap-in and the chunk pass use it).
         """
         return min(seq.num_tokens - seq.num_computed_tokens, budget.remaining_tokens)
 

@@ -1,0 +1,227 @@
+"""PrefixCachingBlockManager: the BlockManager of Phase 1 with a RadixCache of Phase 4 (given).
+
+With prefix caching, a full block whose K/V are computed is recorded in a radix tree under the
+tokens it holds (and every token before them), and a new prompt starts from the longest cached
+prefix instead of computing it again. This class adds that to the BlockManager; it changes no
+rule of Phase 1 for blocks that are not cached.
+
+Which blocks are cached, and when:
+
+- a block enters the tree once it is full and computed: when its sequence is freed (finished,
+  aborted, preempted by recompute), and for the blocks a prefill computed, at the sequence's
+  first decode (``append_slot``). If the tree already has blocks for that prefix (another
+  sequence computed the same prompt in the same step), the sequence switches to the tree's
+  blocks and frees its own copies: identical prompts admitted together share their blocks
+  from their first decode on (the "late merge" of nano-vLLM's issue 219);
+- ``allocate`` reuses the blocks of the longest cached prefix (never the last prompt token's:
+  its logits are needed) and sets ``seq.num_computed_tokens`` to the tokens they hold, so the
+  prefill computes only the rest; ``num_cached_tokens(seq)`` tells the scheduler that number
+  beforehand, to charge its token budget only for the rest;
+- ``fork(parent, child)``: the child shares the parent's cached path and its other blocks;
+- a swap: a group whose GPU blocks another sequence also holds cannot be swapped out
+  (``can_swap_out`` is False, as the Phase 1 Swapper moves only blocks a group holds alone), so
+  the scheduler preempts it by recompute, which costs only its unshared blocks: the shared ones
+  stay cached and its re-admission hits them. A group that holds its blocks alone is swapped
+  out as before and releases its hold on the tree (its cached blocks stay cached, evictable; the
+  CPU copies are not cached); after ``swap_in`` its fresh GPU blocks are merged at its next
+  decode like a prefill's, so it goes back to sharing the tree's blocks.
+
+Holding and eviction. A sequence holding cached blocks locks the tree node its cached path ends
+at (``RadixCache.lock``), so a cached block is locked exactly while some sequence holds it. When
+its last holder frees it, the block keeps its content hash and goes to the Phase 1 Evictor: it
+still counts as free (``num_free_gpu_blocks``) and a later prompt with the prefix can take it
+back (``BlockAllocator.reuse``). Which cached block is given up when new blocks are needed is
+the tree's choice: before any allocation, ``_make_room`` evicts the least recently used unlocked
+leaves (``RadixCache.evict``) for what the free list lacks, and their blocks return to the free
+list without content. So the allocator never picks a victim itself, and the tree never points at
+a reused block.
+
+Invariants (``check_prefix_cache`` in the tests asserts them after every step):
+- every block in the tree is a GPU block whose ``content_hash`` is its tree hash; no other block
+  has one;
+- a block of a locked node is in use; a block of an unlocked node is free, in the Evictor:
+  ``len(evictor) == tree.evictable_size``;
+- every cached block a sequence holds lies on the path of the node that sequence locked.
+
+Stats: ``num_query_tokens`` and ``num_hit_tokens`` count the prompt tokens of first admissions
+and the part of them served from the cache; a re-admission after a preemption by recompute is
+not counted (its "hits" are its own blocks, vLLM's issue 25780).
+"""
+
+from collections import Counter
+
+from vkv.engine.block import Device, NoFreeBlocksError
+from vkv.engine.block_manager import AllocStatus, BlockManager
+from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode
+from vkv.engine.sequence import Sequence
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """A BlockManager whose full, computed GPU blocks are shared through a RadixCache."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        watermark: float = 0.01,
+    ) -> None:
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark)
+        self.tree = RadixCache(block_size)
+        self._locked: dict[int, TreeNode] = {}  # seq id -> the node of its cached path
+        self._merged: set[int] = set()  # sequences whose computed blocks the tree has seen
+        self._counted: set[int] = set()  # sequences counted in the hit stats
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of the prompt whose blocks the tree holds (what ``allocate`` reuses)."""
+        return len(self.tree.match_prefix(seq.token_ids).blocks) * self.block_size
+
+    def can_allocate(self, seq: Sequence) -> AllocStatus:
+        """As Phase 1's, but cached blocks that are in use cost nothing: the need is the prompt's
+        blocks less those. NEVER still compares the whole prompt with the pool."""
+        if self.num_gpu_blocks - seq.num_blocks < self.watermark_blocks:
+            return AllocStatus.NEVER
+        return self._fit_status(self._need(seq, self.tree.match_prefix(seq.token_ids)))
+
+    def allocate(self, seq: Sequence) -> None:
+        """Phase 1's ``allocate``, starting from the longest cached prefix (see the module doc)."""
+        self._require_device(seq, None)
+        self._require_block_size(seq)
+        hit = self.tree.match_prefix(seq.token_ids)
+        need = self._need(seq, hit)
+        if need > self.num_free_gpu_blocks:
+            raise NoFreeBlocksError(
+                f"sequence {seq.seq_id} needs {need} GPU blocks, "
+                f"{self.num_free_gpu_blocks} are free"
+            )
+        for block_id in hit.blocks:
+            self.gpu_allocator.reuse(block_id)
+        self.tree.lock(hit.node)
+        num_new = seq.num_blocks - len(hit.blocks)
+        self._make_room(num_new)
+        new_blocks = [self.gpu_allocator.allocate().block_id for _ in range(num_new)]
+        seq.block_table = hit.blocks + new_blocks
+        self._device_of[seq.seq_id] = Device.GPU
+        self._locked[seq.seq_id] = hit.node
+        seq.num_computed_tokens = len(hit.blocks) * self.block_size
+        if seq.seq_id not in self._counted:
+            self._counted.add(seq.seq_id)
+            self.num_query_tokens += seq.num_tokens
+            self.num_hit_tokens += seq.num_computed_tokens
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Phase 1's ``append_slot``; at a sequence's first decode its computed blocks are merged
+        into the tree first."""
+        self._require_device(seq, Device.GPU)
+        if seq.seq_id not in self._merged:
+            self._merge(seq)
+        self._make_room(self._blocks_to_append(seq))
+        return super().append_slot(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Phase 1's ``fork``; the parent's computed blocks are merged first, and the child locks
+        the parent's cached path, so every block the two share is cached or held by both."""
+        self._require_device(parent, Device.GPU)
+        self._require_device(child, None)
+        self._require_block_size(child)
+        if parent.seq_id not in self._merged:
+            self._merge(parent)
+        super().fork(parent, child)
+        node = self._locked[parent.seq_id]
+        self.tree.lock(node)
+        self._locked[child.seq_id] = node
+        self._merged.add(child.seq_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Phase 1's ``free``; a sequence on the GPU first offers its computed full blocks to the
+        tree (its duplicates of blocks the tree has are freed as usual)."""
+        if self._device_of.get(seq.seq_id) is Device.GPU:
+            self._cache(seq)
+            self._release(seq)
+        super().free(seq)
+        if seq.is_finished:
+            self._counted.discard(seq.seq_id)
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        """Phase 1's ``can_swap_out``, and no block of the group is held by another sequence."""
+        if not super().can_swap_out(seqs):
+            return False
+        holds = Counter(block_id for seq in seqs for block_id in seq.block_table)
+        blocks = self.gpu_allocator.blocks
+        return all(blocks[block_id].ref_count == n for block_id, n in holds.items())
+
+    def swap_out(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Phase 1's ``swap_out``; each sequence first gives up its hold on the tree."""
+        self._require_group_on(seqs, Device.GPU)
+        for seq in seqs:
+            self._release(seq)
+        return super().swap_out(seqs)
+
+    def swap_in(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Phase 1's ``swap_in``, after making room for the group's blocks."""
+        self._require_group_on(seqs, Device.CPU)
+        self._make_room(self.swapper.num_blocks(seqs))
+        return super().swap_in(seqs)
+
+    def _need(self, seq: Sequence, hit: MatchResult) -> int:
+        """Free GPU blocks the prompt takes: all its blocks but the cached ones in use."""
+        in_use = sum(self.gpu_allocator.blocks[block_id].ref_count > 0 for block_id in hit.blocks)
+        return seq.num_blocks - in_use
+
+    def _make_room(self, num_blocks: int) -> None:
+        """Evict cached blocks (the tree's LRU leaves) until the free list holds ``num_blocks``."""
+        uncached_free = self.num_free_gpu_blocks - self.tree.evictable_size
+        if num_blocks <= uncached_free:
+            return
+        for block_id in self.tree.evict(num_blocks - uncached_free):
+            block = self.gpu_allocator.reuse(block_id)
+            block.content_hash, block.num_hashed_tokens = None, 0
+            self.gpu_allocator.free(block)
+
+    def _cache(self, seq: Sequence) -> MatchResult:
+        """Insert the sequence's computed full blocks; return the tree's path for them.
+
+        Blocks the tree did not have become cached (their content hash is set); where it had
+        blocks already, its own ones are on the returned path and the sequence's are duplicates.
+        """
+        num_blocks = seq.num_computed_tokens // self.block_size
+        tokens = seq.token_ids[: num_blocks * self.block_size]
+        self.tree.insert(tokens, seq.block_table[:num_blocks])
+        path = self.tree.match_prefix([*tokens, 0])  # one more token: the match may take all
+        hashes = _path_hashes(path.node)
+        for index, block_id in enumerate(path.blocks):
+            block = self.gpu_allocator.blocks[block_id]
+            if block_id == seq.block_table[index] and block.content_hash is None:
+                block.content_hash = hashes[index]
+                block.num_hashed_tokens = (index + 1) * self.block_size
+        return path
+
+    def _merge(self, seq: Sequence) -> None:
+        """Cache a running sequence's computed blocks and switch it to the tree's copies."""
+        path = self._cache(seq)
+        for index, block_id in enumerate(path.blocks):
+            own = seq.block_table[index]
+            if own != block_id:
+                self.gpu_allocator.reuse(block_id)
+                self.gpu_allocator.free(self.gpu_allocator.blocks[own])
+                seq.block_table[index] = block_id
+        self.tree.lock(path.node)
+        self._release(seq)
+        self._locked[seq.seq_id] = path.node
+        self._merged.add(seq.seq_id)
+
+    def _release(self, seq: Sequence) -> None:
+        """Unlock the sequence's cached path (it is about to drop or move its GPU blocks)."""
+        self.tree.unlock(self._locked.pop(seq.seq_id, self.tree.root))
+        self._merged.discard(seq.seq_id)
+
+
+def _path_hashes(node: TreeNode) -> list[int]:
+    """The chained hash of every block from the root down to ``node``."""
+    hashes: list[int] = []
+    while node.parent is not None:
+        hashes[:0] = node.hashes
+        node = node.parent
+    return hashes
