@@ -1,0 +1,219 @@
+"""Prefix caching in the engine: ``PrefixCachingBlockManager`` over the RadixCache, and the bar
+that greedy output with caching on equals output with it off."""
+
+import pytest
+from prefix_checks import check_prefix_cache, path_blocks
+
+from vkv import LLM, SamplingParams
+from vkv.config import Config
+from vkv.engine.block import NoFreeBlocksError
+from vkv.engine.block_manager import AllocStatus
+from vkv.engine.prefix_caching import PrefixCachingBlockManager
+from vkv.engine.scheduler import Scheduler
+from vkv.engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def manager(num_gpu_blocks: int = 16, num_cpu_blocks: int = 16) -> PrefixCachingBlockManager:
+    return PrefixCachingBlockManager(BS, num_gpu_blocks, num_cpu_blocks, watermark=0.0)
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def computed(m: PrefixCachingBlockManager, seq_id: int, tokens: list[int]) -> Sequence:
+    """A sequence allocated and prefilled: its tokens all computed but the newest."""
+    seq = Sequence(seq_id, tokens, BS)
+    m.allocate(seq)
+    seq.num_computed_tokens = seq.num_tokens
+    seq.is_prefill = False
+    seq.append_token(7)
+    return seq
+
+
+def finish(m: PrefixCachingBlockManager, seq: Sequence) -> None:
+    seq.status = SequenceStatus.FINISHED_STOPPED
+    m.free(seq)
+
+
+def test_a_hit_reuses_the_cached_blocks_and_counts_them_computed():
+    m = manager()
+    a = computed(m, 0, prompt(10))
+    a_blocks = list(a.block_table)
+    finish(m, a)
+    b = Sequence(1, [*prompt(10), 1, 2, 3], BS)
+    assert m.num_cached_tokens(b) == 8
+    m.allocate(b)
+    assert b.block_table[:2] == a_blocks[:2] and b.num_computed_tokens == 8
+    assert (m.num_query_tokens, m.num_hit_tokens) == (10 + 13, 8)
+    check_prefix_cache(m, [b])
+
+
+def test_a_hit_never_covers_the_last_prompt_token():
+    m = manager()
+    finish(m, computed(m, 0, prompt(8)))  # caches 2 blocks: 8 tokens computed
+    same = Sequence(1, prompt(8), BS)
+    m.allocate(same)
+    assert same.num_computed_tokens == 4, "the last token's block is computed again (its logits)"
+
+
+def test_cached_blocks_in_use_cost_no_free_block_at_admission():
+    m = manager(num_gpu_blocks=4)
+    a = computed(m, 0, prompt(12))  # 3 full blocks + 1 for the appended token = 4 blocks
+    m.append_slot(a)  # its first decode: the computed blocks are cached and locked
+    assert m.num_free_gpu_blocks == 0
+    b = Sequence(1, [*prompt(12), 5], BS)  # shares 3 blocks, needs 1 more: none is free
+    assert m.can_allocate(b) is AllocStatus.LATER
+    c = Sequence(2, prompt(9), BS)  # shares 2 blocks in use, needs 1 more
+    finish(m, a)
+    assert m.can_allocate(c) is AllocStatus.OK and m.can_allocate(b) is AllocStatus.OK
+
+
+def test_identical_prompts_admitted_together_share_blocks_from_their_first_decode():
+    m = manager()
+    a, b = computed(m, 0, prompt(9)), computed(m, 1, prompt(9))
+    assert set(a.block_table).isdisjoint(b.block_table), "both computed the prompt"
+    free_before = m.num_free_gpu_blocks
+    m.append_slot(a)
+    m.append_slot(b)
+    assert b.block_table[:2] == a.block_table[:2], "b switched to the tree's (a's) blocks"
+    assert m.num_free_gpu_blocks == free_before + 2, "b's two duplicates are freed"
+    assert [m.gpu_allocator.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
+    check_prefix_cache(m, [a, b])
+
+
+def test_eviction_gives_up_the_least_recently_used_prefix_first():
+    m = manager(num_gpu_blocks=6)
+    old, new = computed(m, 0, prompt(9, 100)), computed(m, 1, prompt(9, 200))
+    finish(m, old)
+    finish(m, new)  # 4 cached blocks in the Evictor, all free
+    assert m.num_free_gpu_blocks == 6 and m.tree.evictable_size == 4
+    m.allocate(Sequence(2, prompt(16, 300), BS))  # 4 blocks: 2 free + 2 evicted
+    assert m.num_cached_tokens(Sequence(3, prompt(9, 100), BS)) == 0, "the older prefix went"
+    assert m.num_cached_tokens(Sequence(4, prompt(9, 200), BS)) == 8, "the newer one stays"
+
+
+def test_a_recomputed_sequence_is_not_counted_as_a_hit():
+    m = manager()
+    seq = computed(m, 0, prompt(10))
+    m.free(seq)  # preempted by recompute: not finished
+    seq.num_computed_tokens = 0
+    m.allocate(seq)
+    assert seq.num_computed_tokens == 8, "its own blocks are reused"
+    assert (m.num_query_tokens, m.num_hit_tokens) == (10, 0), "but not counted as a hit"
+
+
+def test_a_group_sharing_blocks_with_another_is_not_swapped_out():
+    m = manager()
+    a = computed(m, 0, prompt(9))
+    m.append_slot(a)
+    b = Sequence(1, [*prompt(9), 1], BS)
+    m.allocate(b)
+    assert not m.can_swap_out([b]), "b's cached blocks are a's too: recompute it instead"
+    assert m.can_swap_out([a, b]), "the two hold their blocks alone together"
+
+
+def test_a_swapped_sequence_releases_the_tree_and_merges_back_after_swap_in():
+    m = manager()
+    a = computed(m, 0, prompt(9))
+    m.append_slot(a)
+    cached = a.block_table[:2]
+    m.swap_out([a])
+    assert m.tree.protected_size == 0 and m.tree.evictable_size == 2, "cached, evictable"
+    check_prefix_cache(m, [])
+    m.swap_in([a])
+    assert set(a.block_table).isdisjoint(cached), "fresh GPU copies"
+    m.append_slot(a)
+    assert a.block_table[:2] == cached, "back on the tree's blocks"
+    check_prefix_cache(m, [a])
+
+
+def test_a_forked_child_locks_the_parents_cached_path():
+    m = manager()
+    parent = computed(m, 0, prompt(10))
+    child = Sequence(1, prompt(10), BS)
+    m.fork(parent, child)
+    check_prefix_cache(m, [parent, child])
+    assert set(parent.block_table[:2]) <= path_blocks(m._locked[child.seq_id])
+    finish(m, parent)
+    check_prefix_cache(m, [child])
+    assert m.tree.evict(10) == [], "the child still uses the path: nothing is evictable"
+
+
+def test_a_hash_collision_is_a_miss():
+    m = manager()
+    m.tree.hash_function = lambda parent, tokens: 0
+    finish(m, computed(m, 0, prompt(9, 100)))
+    other = Sequence(1, prompt(9, 200), BS)
+    assert m.num_cached_tokens(other) == 0
+    m.allocate(other)
+    assert other.num_computed_tokens == 0
+    check_prefix_cache(m, [other])
+
+
+def snapshot(m: PrefixCachingBlockManager) -> tuple:
+    blocks = [(b.ref_count, b.content_hash) for b in m.gpu_allocator.blocks]
+    counts = (m.num_free_gpu_blocks, len(m.gpu_allocator.evictor), m.num_hit_tokens)
+    return blocks, counts, (m.tree.evictable_size, m.tree.protected_size), dict(m._locked)
+
+
+def test_a_refused_allocate_changes_nothing():
+    m = manager(num_gpu_blocks=3)
+    finish(m, computed(m, 0, prompt(9)))
+    seq = Sequence(1, prompt(20), BS)
+    before = snapshot(m)
+    with pytest.raises(NoFreeBlocksError, match="sequence 1 needs 5 GPU blocks, 3 are free"):
+        m.allocate(seq)
+    assert snapshot(m) == before
+    assert seq.block_table == [] and m.device_of(seq) is None and seq.num_computed_tokens == 0
+
+
+def test_the_scheduler_charges_only_the_uncached_rest():
+    s = Scheduler(
+        Config(BS, num_gpu_blocks=32, watermark=0.0, max_model_len=64, enable_prefix_caching=True)
+    )
+    first = Sequence(0, prompt(12), BS, SamplingParams(max_tokens=1))
+    s.add(first)
+    s.postprocess(s.schedule().scheduled, [7])  # computed, finished, cached
+    again = Sequence(1, [*prompt(12), 3, 4], BS, SamplingParams(max_tokens=1))
+    s.add(again)
+    out = s.schedule()
+    assert [(item.seq.seq_id, item.num_tokens) for item in out.scheduled] == [(1, 2)]
+    assert again.num_computed_tokens == 12
+
+
+PROMPTS = [
+    "You are a careful Python programmer. Answer with code only.\n" * 2 + f"def task_{i}(x):\n"
+    for i in range(6)
+] + ["You are a careful Python programmer. Answer with code only.\n" * 2 + "def task_2(x):\n"] * 2
+
+
+CASES = [(1, "recompute", 260, 24), (1, "swap", 260, 24), (16, "recompute", 18, 24)]
+CASES += [(16, "swap", 18, 24), (64, "recompute", 7, 64), (64, "swap", 7, 64)]
+
+
+@pytest.mark.parametrize(("block_size", "mode", "num_gpu_blocks", "max_tokens"), CASES)
+def test_greedy_output_is_the_same_with_prefix_caching_on_and_off(
+    block_size, mode, num_gpu_blocks, max_tokens
+):
+    """Pools far smaller than the working set: preemption and eviction in every run."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs, engines = {}, {}
+    for caching in (False, True):
+        llm = LLM(
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=4 * num_gpu_blocks,
+            preemption_mode=mode,
+            max_model_len=num_gpu_blocks * block_size,
+            enable_prefix_caching=caching,
+        )
+        results = llm.generate(PROMPTS, params, use_progress=False)
+        outputs[caching] = [result["token_ids"] for result in results]
+        engines[caching] = llm.engine
+    assert outputs[True] == outputs[False]
+    cached = engines[True]
+    assert cached.stats["prefix_cache_hits"] > 0, cached.stats
+    assert cached.scheduler.num_preemptions > 0, "the pool is meant to be too small"
