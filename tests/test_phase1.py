@@ -1476,6 +1476,23 @@ def test_part4_swapping_part_of_a_sharing_group_is_rejected():
     )
 
 
+def test_part4_can_swap_out_is_false_for_part_of_a_sharing_group():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    assert not bm.can_swap_out([parent]), (
+        "the child shares the parent's blocks: swap_out([parent]) would be refused, so "
+        "can_swap_out([parent]) must be False (Swapper.holds_alone), though 8 CPU blocks are free"
+    )
+    assert not bm.swapper.holds_alone([child]), (
+        "holds_alone([child]) must be False: each block has ref_count 2, the group holds it once"
+    )
+    assert bm.can_swap_out([parent, child]) and bm.swapper.holds_alone([parent, child]), (
+        "together the two hold every reference to their blocks: can_swap_out must be True"
+    )
+
+
 def test_part4_a_sharer_left_out_is_found_before_any_block_moves():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
     alone, parent, child = make_seq(1, 8, 4), make_seq(2, 4, 4), make_seq(3, 4, 4)

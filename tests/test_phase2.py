@@ -437,6 +437,21 @@ def test_part1_with_chunked_prefill_a_cached_prefix_leaves_more_of_the_budget():
     )
 
 
+def test_part1_a_request_of_n_parallel_samples_takes_n_places():
+    s = make_scheduler(max_num_seqs=4)
+    first = Sequence(0, [10, 11, 12], 4, SamplingParams(max_tokens=4, n=3), 0.0)
+    second = Sequence(1, [20, 21, 22], 4, SamplingParams(max_tokens=4, n=2), 1.0)
+    s.add(first)
+    s.add(second)
+    out = s.schedule()
+    assert planned(out) == [(0, 3, True)], (
+        "a request with n = 3 is forked into 3 samples after its prefill, so its admission "
+        "takes 3 of the 4 sequence places (_seats); the next, n = 2, must wait: got "
+        f"{planned(out)}"
+    )
+    assert ids(s.waiting) == [1], f"1 waits for 2 places, got waiting {ids(s.waiting)}"
+
+
 def test_part1_duplicate_seq_id_is_rejected_and_changes_nothing():
     s = make_scheduler()
     make_seq(s, 0, 4)
@@ -724,17 +739,19 @@ def test_part2_a_finished_sequences_place_is_refilled_the_next_step():
     )
 
 
-def stand_in_preempt(s: Scheduler) -> tuple[list[int], object]:
-    """A stand-in for part 2.3's ``_preempt`` (a plain recompute), recording its victims."""
-    victims: list[int] = []
+def stand_in_preempt(s: Scheduler) -> tuple[list[list[int]], object]:
+    """A stand-in for part 2.3's ``_preempt`` (a plain recompute), recording each call's ids."""
+    victims: list[list[int]] = []
 
-    def preempt(seq: Sequence, out: SchedulerOutput) -> None:
-        victims.append(seq.seq_id)
-        s.block_manager.free(seq)
-        seq.num_computed_tokens, seq.is_prefill = 0, True
-        seq.status = SequenceStatus.WAITING
-        s.waiting.appendleft(seq)
-        out.preempted.append(seq)
+    def preempt(seqs: list[Sequence], out: SchedulerOutput) -> None:
+        victims.append(ids(seqs))
+        for seq in reversed(seqs):
+            s.block_manager.free(seq)
+            seq.num_computed_tokens, seq.is_prefill = 0, True
+            seq.group_id = seq.seq_id
+            seq.status = SequenceStatus.WAITING
+            s.waiting.appendleft(seq)
+        out.preempted.extend(seqs)
 
     return victims, preempt
 
@@ -747,9 +764,9 @@ def test_part2_when_blocks_run_out_the_newest_unhandled_sequence_is_preempted(mo
     victims, preempt = stand_in_preempt(s)
     monkeypatch.setattr(s, "_preempt", preempt)
     out = s.schedule()
-    assert victims == [3, 2], (
+    assert victims == [[3], [2]], (
         "0 needs a block: preempt the newest (3); 1 takes the other freed block; 2 needs one and "
-        f"is the newest left: it preempts itself. _preempt got {victims}, expected [3, 2]"
+        f"is the newest left: it preempts itself. _preempt got {victims}, expected [[3], [2]]"
     )
     assert planned(out) == [(0, 1, False), (1, 1, False)], (
         "0 and 1 get their blocks and decode, oldest first: expected [(0, 1, False), "
@@ -999,6 +1016,37 @@ def test_part2_all_requests_finish_with_their_full_output():
     )
 
 
+def with_a_group(mode: str = "auto", **overrides) -> tuple[Scheduler, Sequence, Sequence, Sequence]:
+    """An old sequence (0, 8 tokens) and a request of two parallel samples (1, 6 tokens, n = 2,
+    forked into 2 after its prefill) fill a pool of 4 blocks; the old one needs a block next."""
+    options = {"num_gpu_blocks": 4, "num_cpu_blocks": 8, "preemption_mode": mode}
+    s = make_scheduler(**{**options, **overrides})
+    old = make_seq(s, 0, 8, max_tokens=8)
+    parent = Sequence(1, [110 + i for i in range(6)], 4, SamplingParams(max_tokens=8, n=2), 1.0)
+    s.add(parent)
+    step(s)  # prefills: 0 holds 2 blocks (9 tokens now), 1 holds 2 (7 tokens now)
+    child = Sequence(2, parent.prompt_token_ids, 4, SamplingParams(max_tokens=8))
+    s.fork(parent, child)  # given: 2 shares 1's blocks, joins its group and running
+    assert ids(s.running) == [0, 1, 2] and s.block_manager.num_free_gpu_blocks == 0, (
+        "setup (parts 2.1, 2.2): 0, then the group [1, 2], fill the pool of 4; got running "
+        f"{ids(s.running)}, {s.block_manager.num_free_gpu_blocks} free"
+    )
+    return s, old, parent, child
+
+
+def test_part2_the_newest_group_is_preempted_together(monkeypatch):
+    s, _, _parent, _child = with_a_group()
+    victims, preempt = stand_in_preempt(s)
+    monkeypatch.setattr(s, "_preempt", preempt)
+    out = s.schedule()
+    assert victims == [[1, 2]], (
+        "0 needs a block: the newest group, the parallel samples 1 and 2 (same group_id), is "
+        f"preempted in one _preempt call, in arrival order; _preempt got {victims}, "
+        "expected [[1, 2]] (_pop_newest_group takes it from the back of the queue)"
+    )
+    assert planned(out) == [(0, 1, False)], f"0 then decodes alone, got {planned(out)}"
+
+
 # --------------------------------------------------------------------------------------------
 # Part 2.3: preemption by recompute
 # --------------------------------------------------------------------------------------------
@@ -1175,7 +1223,7 @@ def test_part3_a_sequence_that_outgrew_the_pool_is_ignored_and_the_next_runs():
 
 def test_part3_a_swap_without_room_falls_back_to_recompute(monkeypatch):
     s, _, new = full_pool_of_two(mode="swap", num_cpu_blocks=8)
-    monkeypatch.setattr(s, "_preempt_by_swap", lambda seq, out: False)  # as if the CPU is full
+    monkeypatch.setattr(s, "_preempt_by_swap", lambda seqs, out: False)  # as if the CPU is full
     out = s.schedule()
     assert out.preempted == [new], (
         "the victim is the newest running sequence (1), recorded in out.preempted even when "
@@ -1212,6 +1260,51 @@ def test_part3_auto_mode_recomputes_single_sequences():
     assert new.status is SequenceStatus.WAITING, (
         f"auto mode recomputes: the victim goes back to WAITING, got {new.status.name}"
     )
+
+
+def stand_in_swap(s: Scheduler, monkeypatch) -> list[list[int]]:
+    """A stand-in for part 2.4's ``_preempt_by_swap`` that refuses every swap, recording what
+    it was asked to swap (so that part 2.3 is tested on its own)."""
+    asked: list[list[int]] = []
+
+    def refuse(seqs: list[Sequence], out: SchedulerOutput) -> bool:
+        asked.append(ids(seqs))
+        return False
+
+    monkeypatch.setattr(s, "_preempt_by_swap", refuse)
+    return asked
+
+
+def test_part3_auto_mode_swaps_a_group_of_parallel_samples_together(monkeypatch):
+    s, _, parent, child = with_a_group("auto")
+    asked = stand_in_swap(s, monkeypatch)
+    out = s.schedule()
+    assert asked == [[1, 2]], (
+        "auto swaps a group of more than one sequence, the group in one _preempt_by_swap call "
+        f"(vLLM v0: its shared blocks are kept once); _preempt_by_swap got {asked}"
+    )
+    assert out.preempted == [parent, child] and s.num_preemptions == 2, (
+        "both are recorded, in order, and counted one by one: expected preempted [1, 2] and 2 "
+        f"preemptions, got {ids(out.preempted)} and {s.num_preemptions}"
+    )
+    assert [parent.status, child.status] == [SequenceStatus.WAITING] * 2, (
+        "the swap was refused (the stand-in says False): both are recomputed, got "
+        f"{parent.status.name} and {child.status.name}"
+    )
+
+
+def test_part3_a_group_preempted_by_recompute_waits_in_order_and_leaves_its_group():
+    s, _old, parent, child = with_a_group("recompute")
+    s.schedule()
+    assert ids(s.waiting)[:2] == [1, 2], (
+        "each sequence of the group is recomputed, and waiting starts with the group in "
+        f"arrival order: expected [1, 2, ...], got {ids(s.waiting)}"
+    )
+    assert (parent.group_id, child.group_id) == (1, 2), (
+        "a sequence preempted by recompute shares no block any more: it leaves its group "
+        f"(group_id = seq_id), got group ids {parent.group_id} and {child.group_id}"
+    )
+    assert s.num_preemptions == 2, f"two preemptions, got {s.num_preemptions}"
 
 
 def test_part3_everything_finishes_under_memory_pressure():
@@ -1505,6 +1598,66 @@ def test_part4_falls_back_to_recompute_when_the_cpu_pool_is_full():
         "no CPU room for 2 blocks: recompute instead of failing (WAITING, no blocks); got "
         f"{new.status.name} with block table {new.block_table}"
     )
+
+
+def test_part4_a_group_is_swapped_out_in_one_swap():
+    s, _, parent, child = with_a_group("auto")
+    out = s.schedule()
+    assert [parent.status, child.status] == [SequenceStatus.SWAPPED] * 2, (
+        f"auto swaps the group of 2, got {parent.status.name} and {child.status.name}"
+    )
+    assert len(out.blocks_to_swap_out) == 2 and ids(s.swapped) == [1, 2], (
+        "one swap of the group moves its 2 shared blocks once, and both join swapped in "
+        f"order: got the map {out.blocks_to_swap_out}, swapped {ids(s.swapped)}"
+    )
+
+
+def test_part4_a_group_that_does_not_fit_the_cpu_pool_is_recomputed():
+    s, _, parent, child = with_a_group("auto", num_cpu_blocks=1)
+    s.schedule()
+    assert [parent.status, child.status] == [SequenceStatus.WAITING] * 2, (
+        "the group's 2 blocks do not fit the CPU pool of 1: _preempt_by_swap says False and "
+        f"both are recomputed, got {parent.status.name} and {child.status.name}"
+    )
+
+
+def test_part4_a_swapped_group_comes_back_whole_or_not_at_all():
+    s, old, _parent, _child = with_a_group("swap")
+    s.postprocess(s.schedule().scheduled, [TOKEN])  # the group is swapped out, 0 decodes
+    out = s.schedule()  # 0 holds 3 blocks: 1 is free, the group needs 2
+    assert ids(s.swapped) == [1, 2] and not out.blocks_to_swap_in, (
+        "can_swap_in([1, 2]) is LATER (2 blocks needed, 1 free): neither comes back alone; got "
+        f"swapped {ids(s.swapped)}, swap-in map {out.blocks_to_swap_in}"
+    )
+    s.postprocess(out.scheduled, [TOKEN])
+    s.abort(old.seq_id)
+    out = s.schedule()
+    assert ids(s.running) == [1, 2] and len(out.blocks_to_swap_in) == 2, (
+        "with the pool free the group is swapped in together, in one swap of its 2 shared "
+        f"blocks: got running {ids(s.running)}, swap-in map {out.blocks_to_swap_in}"
+    )
+    assert planned(out) == [(1, 1, False), (2, 1, False)], (
+        f"and both decode in this very step, in order; got {planned(out)}"
+    )
+    assert out.num_batched_tokens == 2 and len(out.blocks_to_copy) == 1, (
+        "a token each, and the shared last block is copied on the first write: got "
+        f"{out.num_batched_tokens} tokens, copies {out.blocks_to_copy}"
+    )
+
+
+def test_part4_a_swapped_group_needs_a_place_for_each_sequence():
+    s, old, _parent, _child = with_a_group("swap")
+    s.postprocess(s.schedule().scheduled, [TOKEN])  # the group is swapped out
+    s.abort(old.seq_id)  # the pool is free
+    s.config.max_num_seqs = 1
+    out = s.schedule()
+    assert ids(s.swapped) == [1, 2] and not out.blocks_to_swap_in, (
+        "with max_num_seqs 1 the group of 2 does not fit the sequence places: it stays "
+        f"swapped, whole; got swapped {ids(s.swapped)}, swap-in map {out.blocks_to_swap_in}"
+    )
+    s.config.max_num_seqs = 2
+    s.schedule()
+    assert ids(s.running) == [1, 2], f"2 places: the group comes back, got {ids(s.running)}"
 
 
 def test_part4_everything_finishes_with_swapping():

@@ -84,6 +84,7 @@ def run_demo(
     kv_cache_dtype: str = "auto",
     key_granularity: str = "per_token",
     kv_quant_group: str = "head",
+    enable_prefix_caching: bool = False,
 ) -> DemoSummary:
     """Serve ``requests`` prompts and show each step; return what happened.
 
@@ -112,6 +113,7 @@ def run_demo(
         kv_cache_dtype=kv_cache_dtype,
         key_granularity=key_granularity,
         kv_quant_group=kv_quant_group,
+        enable_prefix_caching=enable_prefix_caching,
     )
     lengths = random.Random(0)
     for i in range(requests):
@@ -243,11 +245,20 @@ def _summary_table(summary: DemoSummary, engine: LLMEngine) -> Table:
         "preemptions": str(summary.preemptions),
         "blocks swapped out / in": f"{summary.blocks_swapped_out} / {summary.blocks_swapped_in}",
         "peak GPU KV usage": f"{summary.peak_gpu_kv_usage:.0%}",
+        "prefix cache": _prefix_note(engine),
         "longest completion": Text.assemble((summary.sample[0], "bold"), summary.sample[1]),
     }
     for name, value in rows.items():
         table.add_row(name, value)
     return table
+
+
+def _prefix_note(engine: LLMEngine) -> str:
+    """Prompt tokens served from the prefix cache (first admissions), or that it is off."""
+    if not engine.config.enable_prefix_caching:
+        return "off (--enable-prefix-caching shares the blocks of repeated prompt prefixes)"
+    queries, hits = engine.stats["prefix_cache_queries"], engine.stats["prefix_cache_hits"]
+    return f"{hits:,} of {queries:,} prompt tokens hit ({hits / max(queries, 1):.0%})"
 
 
 def _keys_note(config: Config) -> str:

@@ -22,13 +22,15 @@ class LLM:
         use_progress: bool = True,
     ) -> list[dict]:
         """Generate for every prompt, in prompt order: ``[{"text", "token_ids", "finish_reason",
-        "error"}]``.
+        "error", "outputs"}]``.
 
         ``finish_reason`` is ``stop`` (EOS), ``length`` (``max_tokens`` or ``max_model_len``),
         ``ignored``: the request could never fit the KV cache (its prompt, or the tokens it
         grew to, need more blocks than the pool has), or ``error``: running the model for it
         raised, and ``error`` says what (it is None otherwise). The text is what the request
-        generated until it finished.
+        generated until it finished. ``outputs`` holds the ``n`` completions of a request
+        (``SamplingParams.n``), each such a dict; the other keys are the first one's. A request
+        that ends before its prompt is computed (ignored, or failed) has ``n`` copies of it.
 
         ``sampling_params`` is one ``SamplingParams`` for all (None: the defaults) or a list of
         one per prompt. Raises ``ValueError`` for a single string (pass ``[prompt]``), a list
@@ -49,17 +51,24 @@ class LLM:
         for prompt, params in batch:  # the whole batch, before any of it is queued
             self.engine.check_request(prompt, params)
         ids = [self.engine.add_request(prompt, params) for prompt, params in batch]
-        results: dict[int, dict] = {}
+        done: dict[tuple[int, int], dict] = {}
         with Progress(disable=not use_progress, transient=True) as progress:
             task = progress.add_task("generating", total=len(ids))
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
-                        results[output.request_id] = {
+                        done[output.request_id, output.index] = {
                             "text": self.engine.decode(output.token_ids),
                             "token_ids": output.token_ids,
                             "finish_reason": output.finish_reason,
                             "error": output.error,
                         }
-                        progress.advance(task)
-        return [results[i] for i in ids]
+                        if output.index == 0:
+                            progress.advance(task)
+        results = []
+        for request_id, (_, params) in zip(ids, batch, strict=True):
+            n = 1 if params is None else params.n
+            first = done[request_id, 0]
+            outputs = [done.get((request_id, index), first) for index in range(n)]
+            results.append({**first, "outputs": outputs})
+        return results

@@ -23,6 +23,8 @@ class SamplingParams:
     - ``max_tokens``: the most tokens to generate (the completion, not the prompt).
     - ``ignore_eos``: keep generating past the end-of-sequence token (benchmarks use it).
     - ``seed``: a per-request seed, so a sampled completion can be reproduced.
+    - ``n``: how many completions to sample for the prompt (parallel sampling); the prompt is
+      computed once and its blocks shared by the n samples.
     """
 
     temperature: float = 1.0
@@ -31,6 +33,7 @@ class SamplingParams:
     max_tokens: int = 64
     ignore_eos: bool = False
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         _require(_is_real(self.temperature), "temperature", "a finite number", self.temperature)
@@ -46,6 +49,9 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "True or False", self.ignore_eos)
+        _require(_is_int(self.n), "n", "an integer", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None:
             _require(_is_int(self.seed), "seed", "an integer or None", self.seed)
             if not 0 <= self.seed < MAX_SEED:

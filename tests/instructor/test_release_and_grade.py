@@ -121,8 +121,9 @@ def test_isolate_blames_the_part_whose_region_is_wrong(tmp_path):
     solve(ROOT, out, set(ASSIGNMENT.part_ids))
     scheduler = out / "vkv/engine/scheduler.py"
     text = scheduler.read_text()
-    wrong = "victim = queue.popleft() if queue else seq"
-    scheduler.write_text(text.replace("victim = queue.pop() if queue else seq", wrong))
+    wrong = "victims = [queue.popleft()] if queue else [seq]"
+    right = "victims = self._pop_newest_group(queue) if queue else [seq]"
+    scheduler.write_text(text.replace(right, wrong))
     assert wrong in scheduler.read_text()
     result = grade(out, reference=ROOT, parts={"2.2", "2.3"})
     alone = {r.part.id: r for r in result.isolated}

@@ -295,7 +295,9 @@ class BlockManager:
         ### END SOLUTION
 
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        """Whether the group's GPU blocks fit in the free CPU blocks.
+        """Whether the group can move to the CPU pool: no sequence outside it holds one of its
+        blocks (``Swapper.holds_alone``; a swap moves shared blocks with all their holders, or
+        not at all), and its GPU blocks fit in the free CPU blocks.
 
         Raises ``ValueError`` unless the group is non-empty, lists no sequence twice and is on
         the GPU (``_require_group_on``, whose docstring gives the messages; so do ``swap_out``,
@@ -303,7 +305,7 @@ class BlockManager:
         """
         ### BEGIN SOLUTION part1.4
         self._require_group_on(seqs, Device.GPU)
-        return self.swapper.can_swap_out(seqs)
+        return self.swapper.holds_alone(seqs) and self.swapper.can_swap_out(seqs)
         ### END SOLUTION
 
     def swap_out(self, seqs: list[Sequence]) -> dict[int, int]:

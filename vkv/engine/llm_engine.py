@@ -13,6 +13,7 @@ others go on. A missing part of the assignment (``NotImplementedError``) is not 
 fault: it propagates.
 """
 
+import hashlib
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ from vkv.engine.scheduler import ScheduledSequence, Scheduler
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.kernels import reference
 from vkv.models.loader import load_checkpoint
-from vkv.sampling_params import SamplingParams
+from vkv.sampling_params import MAX_SEED, SamplingParams
 
 CPU_KV_BYTES = 256 << 20
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -46,6 +47,7 @@ FINISH_REASONS = {
 @dataclass(slots=True)
 class RequestOutput:
     request_id: int
+    index: int  # which of the request's n samples (0 for n = 1)
     new_text: str
     new_token_ids: list[int]
     token_ids: list[int]
@@ -158,9 +160,11 @@ class LLMEngine:
             f"{_capacity_note(shape)}) on {self.device}, {backend} attention",
             file=sys.stderr,
         )
-        self._requests: dict[int, Sequence] = {}
+        self._requests: dict[int, Sequence] = {}  # sequence id -> sequence, samples included
+        self._samples: dict[int, list[Sequence]] = {}  # request id -> its samples, by index
+        self._sample_of: dict[int, tuple[int, int]] = {}  # sequence id -> (request id, index)
         self._streamed: dict[int, tuple[int, str]] = {}  # tokens and text already returned
-        self._errors: dict[int, str] = {}  # request id -> why it failed
+        self._errors: dict[int, str] = {}  # sequence id -> why it failed
         self._next_id = 0
         self.stats: dict[str, float] = {}
 
@@ -173,10 +177,37 @@ class LLMEngine:
         request_id = self._next_id
         seq = Sequence(request_id, token_ids, self.config.block_size, params, time.monotonic())
         self.scheduler.add(seq)
-        self._next_id += 1
-        self._requests[request_id] = seq
-        self._streamed[request_id] = (0, "")
+        self._track(seq, request_id)
         return request_id
+
+    def _track(self, seq: Sequence, request_id: int) -> None:
+        """Record a new sequence as the next sample of its request."""
+        samples = self._samples.setdefault(request_id, [])
+        self._sample_of[seq.seq_id] = (request_id, len(samples))
+        samples.append(seq)
+        self._requests[seq.seq_id] = seq
+        self._streamed[seq.seq_id] = (0, "")
+        self._next_id = max(self._next_id, seq.seq_id + 1)
+
+    def _fork_samples(self, parent: Sequence) -> None:
+        """A request of ``n`` samples whose prompt is computed gets its other ``n - 1``: each
+        shares the prompt's blocks (``Scheduler.fork``) and samples with a seed of its own. If
+        the first sample finished at its first token, the others are new requests instead."""
+        params = parent.sampling_params
+        for index in range(1, params.n):
+            own = replace(params, n=1, seed=sample_seed(params.seed, index))
+            child = Sequence(
+                self._next_id,
+                parent.prompt_token_ids,
+                self.config.block_size,
+                own,
+                parent.arrival_time,
+            )
+            if parent.is_finished:
+                self.scheduler.add(child)
+            else:
+                self.scheduler.fork(parent, child)
+            self._track(child, parent.seq_id)
 
     def check_request(
         self, prompt: str | list[int], params: SamplingParams | None = None
@@ -199,6 +230,11 @@ class LLMEngine:
             prompt = self.tokenizer.encode(prompt).ids
         if not isinstance(prompt, list | tuple) or not all(map(_is_token_id, prompt)):
             raise ValueError(f"a prompt is text or a list of integer token ids, got {prompt!r}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n ({params.n}) is more than max_num_seqs ({self.config.max_num_seqs}): the "
+                "samples of a request run together"
+            )
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.config.max_model_len:
@@ -211,11 +247,22 @@ class LLMEngine:
         return [int(t) for t in prompt], params
 
     def sequence(self, request_id: int) -> Sequence:
-        """The request's sequence: tokens, status and block table, as the scheduler sees them."""
+        """The request's (first) sequence: tokens, status and block table, as the scheduler
+        sees them."""
         return self._requests[request_id]
 
+    def samples(self, request_id: int) -> list[Sequence]:
+        """The sequences of a request's samples so far, by index (n > 1: the others are forked
+        once the prompt is computed)."""
+        return list(self._samples[request_id])
+
     def abort(self, request_id: int) -> None:
-        self.scheduler.abort(request_id)
+        """Abort every unfinished sample of a request; ``ValueError`` if it has none."""
+        unfinished = [seq for seq in self._samples.get(request_id, []) if not seq.is_finished]
+        if not unfinished:
+            raise ValueError(f"abort: no unfinished sequence has id {request_id}")
+        for seq in unfinished:
+            self.scheduler.abort(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -235,6 +282,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.runner.apply_block_maps(out, self.scheduler.running, self.scheduler.swapped)
         self.scheduler.postprocess(out.scheduled, self._execute(out.scheduled))
+        for seq in out.seqs:  # n > 1: the prompt is computed, the first token sampled
+            unforked = seq.sampling_params.n > len(self._samples.get(seq.seq_id, ())) == 1
+            if unforked and seq.num_completion_tokens == 1:
+                self._fork_samples(seq)
         touched = [item.seq for item in out.scheduled] + [i.seq for i in out.ignored]
         outputs = [self._output(seq) for seq in touched]
         elapsed = time.perf_counter() - started
@@ -290,8 +341,10 @@ class LLMEngine:
         if not seq.is_finished:  # wait for a character's last byte (one U+FFFD per byte, or one)
             text = text.rstrip(INCOMPLETE_CHARACTER)
         self._streamed[seq.seq_id] = (len(completion), text)
+        request_id, index = self._sample_of[seq.seq_id]
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=request_id,
+            index=index,
             new_text=text[len(previous) :],
             new_token_ids=completion[sent:],
             token_ids=completion,
@@ -308,6 +361,14 @@ def _shared_blocks(running: list[Sequence]) -> int:
     """Block-table entries of the running sequences that point at a block another entry holds."""
     held = [block_id for seq in running for block_id in seq.block_table]
     return len(held) - len(set(held))
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's sample ``index`` (> 0): its own draws, reproducible."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % MAX_SEED
 
 
 def default_device() -> torch.device:

@@ -19,7 +19,7 @@ Which blocks are cached, and when:
   beforehand, to charge its token budget only for the rest;
 - ``fork(parent, child)``: the child shares the parent's cached path and its other blocks;
 - a swap: a group whose GPU blocks another sequence also holds cannot be swapped out
-  (``can_swap_out`` is False, as the Phase 1 Swapper moves only blocks a group holds alone), so
+  (Phase 1's ``can_swap_out`` is False: a swap moves only blocks the group holds alone), so
   the scheduler preempts it by recompute, which costs only its unshared blocks: the shared ones
   stay cached and its re-admission hits them. A group that holds its blocks alone is swapped
   out as before and releases its hold on the tree (its cached blocks stay cached, evictable; the
@@ -47,8 +47,6 @@ Stats: ``num_query_tokens`` and ``num_hit_tokens`` count the prompt tokens of fi
 and the part of them served from the cache; a re-admission after a preemption by recompute is
 not counted (its "hits" are its own blocks, vLLM's issue 25780).
 """
-
-from collections import Counter
 
 from vkv.engine.block import Device, NoFreeBlocksError
 from vkv.engine.block_manager import AllocStatus, BlockManager
@@ -143,14 +141,6 @@ class PrefixCachingBlockManager(BlockManager):
         super().free(seq)
         if seq.is_finished:
             self._counted.discard(seq.seq_id)
-
-    def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        """Phase 1's ``can_swap_out``, and no block of the group is held by another sequence."""
-        if not super().can_swap_out(seqs):
-            return False
-        holds = Counter(block_id for seq in seqs for block_id in seq.block_table)
-        blocks = self.gpu_allocator.blocks
-        return all(blocks[block_id].ref_count == n for block_id, n in holds.items())
 
     def swap_out(self, seqs: list[Sequence]) -> dict[int, int]:
         """Phase 1's ``swap_out``; each sequence first gives up its hold on the tree."""

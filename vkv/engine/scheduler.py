@@ -134,8 +134,9 @@ class SchedulingBudget:
         self.num_seqs += num_seqs
 
 
-def _by_arrival(seq: Sequence) -> tuple[float, int]:
-    return seq.arrival_time, seq.seq_id
+def _by_arrival(seq: Sequence) -> tuple[float, int, int]:
+    """Arrival order; the members of a group (same arrival) next to each other."""
+    return seq.arrival_time, seq.group_id, seq.seq_id
 
 
 class Scheduler:
@@ -230,12 +231,39 @@ class Scheduler:
         return seq
         ### END SOLUTION
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Add ``child``, a fresh sequence whose tokens begin the running ``parent``'s, as a
+        parallel sample: it shares the parent's blocks (``block_manager.fork``), joins its group
+        and ``running``, and computes its newest token again in its next step, as a decode (its
+        own logits, its own sample; the write copies the shared last block). Given.
+
+        Raises ``ValueError`` unless the parent is running here and out of its prefill, and the
+        child could be ``add``-ed and its tokens are a prefix of the parent's.
+        """
+        if self._unfinished.get(parent.seq_id) is not parent or parent.status is not (
+            SequenceStatus.RUNNING
+        ):
+            raise ValueError(f"fork: sequence {parent.seq_id} is not running here")
+        if parent.is_prefill or parent.token_ids[: child.num_tokens] != child.token_ids:
+            raise ValueError(
+                f"fork: sequence {child.seq_id}'s tokens are not computed tokens of sequence "
+                f"{parent.seq_id}"
+            )
+        self.add(child)
+        self.waiting.pop()
+        self.block_manager.fork(parent, child)
+        child.group_id, child.arrival_time = parent.group_id, parent.arrival_time
+        child.num_computed_tokens, child.is_prefill = child.num_tokens - 1, False
+        child.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=_by_arrival)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
         """Admit waiting sequences, oldest first, while their blocks and the budgets allow.
 
         Take out and ignore (``_ignore``) a sequence longer than ``max_model_len`` (the reason
         names ``max_model_len``) or that can NEVER be allocated (``_never_fits``); stop at the first
-        one that must wait (LATER, or over a budget). An admitted sequence gets its blocks,
+        one that must wait (LATER, or over a budget: its tokens, and ``_seats(seq)`` sequence
+        places, n for a request of n parallel samples). An admitted sequence gets its blocks,
         becomes RUNNING, joins ``running`` in arrival order and is scheduled as a prefill of the
         tokens it must compute: all but the ``block_manager.num_cached_tokens(seq)`` that a
         prefix cache already holds (0 without one; ``allocate`` reuses their blocks and counts
@@ -263,15 +291,22 @@ class Scheduler:
             num_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
             if self.config.enable_chunked_prefill:
                 num_tokens = min(num_tokens, budget.remaining_tokens)
-            if num_tokens == 0 or not budget.can_schedule(num_tokens, 1):
+            seats = self._seats(seq)
+            if num_tokens == 0 or not budget.can_schedule(num_tokens, seats):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)
             out.scheduled.append(ScheduledSequence(seq, num_tokens, is_prefill=True))
-            budget.add(num_tokens, 1)
+            budget.add(num_tokens, seats)
         ### END SOLUTION
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Sequence places an admission takes: ``sampling_params.n`` for a request that has not
+        sampled yet (it is forked into n samples once its prompt is computed), else 1 (given)."""
+        return seq.sampling_params.n if seq.num_completion_tokens == 0 else 1
 
     def _never_fits(self, seq: Sequence) -> str:
         """The reason given for a sequence whose blocks could NEVER fit the GPU pool."""
@@ -310,8 +345,9 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
         """Give every running sequence, oldest first, a slot for its newest token.
 
-        When ``can_append_slot`` fails, preempt the newest running sequence not yet handled
-        (``_preempt``) and retry; if the sequence itself is the newest, preempt it. A shared
+        When ``can_append_slot`` fails, preempt the newest group of running sequences not yet
+        handled (``_pop_newest_group`` takes it from the back of what is left; ``_preempt``) and
+        retry; if nothing is left but the sequence itself, preempt it (``[seq]``). A shared
         last block copied on write goes into ``out.blocks_to_copy``. Sequences in their prefill
         (``seq.is_prefill``; only with chunked prefill can one be running) are not decoded: they
         stay in ``running`` and go, in order, to ``_schedule_prefill_chunks`` after the decodes.
@@ -328,9 +364,9 @@ class Scheduler:
                 unfinished_prefills.append(seq)
                 continue
             while not self.block_manager.can_append_slot(seq):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim, out)
-                if victim is seq:
+                victims = self._pop_newest_group(queue) if queue else [seq]
+                self._preempt(victims, out)
+                if victims[0] is seq:
                     break
             else:
                 self._append_slot(seq, out)
@@ -341,6 +377,15 @@ class Scheduler:
         if unfinished_prefills:
             self._schedule_prefill_chunks(unfinished_prefills, out, budget)
         ### END SOLUTION
+
+    @staticmethod
+    def _pop_newest_group(queue: deque[Sequence]) -> list[Sequence]:
+        """Take the newest sequence from the back of ``queue``, and the members of its group
+        before it; return them in arrival order (given)."""
+        group = [queue.pop()]
+        while queue and queue[-1].group_id == group[0].group_id:
+            group.insert(0, queue.pop())
+        return group
 
     def _append_slot(self, seq: Sequence, out: SchedulerOutput) -> None:
         """``append_slot`` for the sequence; a copy-on-write goes into ``out.blocks_to_copy``."""
@@ -409,22 +454,25 @@ class Scheduler:
 
     # -- part 2.3: preemption by recompute ----------------------------------------------------
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Take a running sequence off the GPU to free its blocks.
+    def _preempt(self, seqs: list[Sequence], out: SchedulerOutput) -> None:
+        """Take a group of running sequences (one or more, in arrival order) off the GPU.
 
-        By swap when ``config.preemption_mode`` is SWAP (falling back to recompute when the CPU
-        pool has no room: ``_preempt_by_swap`` returns False); by recompute for RECOMPUTE and
-        AUTO (vLLM v0 swaps only groups of sequences that share blocks; every request here is one
-        sequence). Record it in ``out.preempted`` and count it in ``num_preemptions``.
+        By swap, the group together, when ``config.preemption_mode`` is SWAP, or AUTO and the
+        group has more than one sequence (vLLM v0: a group of parallel samples shares blocks, so
+        swapping keeps one copy of them; a lone sequence is cheaper to recompute). When the swap
+        is refused (``_preempt_by_swap`` returns False: no room in the CPU pool, or the group
+        shares a block with a sequence outside it) and for RECOMPUTE: each one by recompute,
+        so that ``waiting`` starts with the group in arrival order. Record them in
+        ``out.preempted`` (in order) and count each in ``num_preemptions``.
         """
         ### BEGIN SOLUTION part2.3
-        swapped = self.config.preemption_mode is PreemptionMode.SWAP and self._preempt_by_swap(
-            seq, out
-        )
-        if not swapped:
-            self._preempt_by_recompute(seq)
-        out.preempted.append(seq)
-        self.num_preemptions += 1
+        mode = self.config.preemption_mode
+        swap = mode is PreemptionMode.SWAP or (mode is PreemptionMode.AUTO and len(seqs) > 1)
+        if not (swap and self._preempt_by_swap(seqs, out)):
+            for seq in reversed(seqs):
+                self._preempt_by_recompute(seq)
+        out.preempted.extend(seqs)
+        self.num_preemptions += len(seqs)
         ### END SOLUTION
 
     def _preempt_by_recompute(self, seq: Sequence) -> None:
@@ -432,68 +480,83 @@ class Scheduler:
 
         Everything it had computed is lost (``num_computed_tokens`` back to 0, ``is_prefill``
         True again); its tokens, generated ones included, are kept and recomputed by its next
-        prefill.
+        prefill. It shares no block any more, so it leaves its group: ``group_id = seq_id``.
         """
         ### BEGIN SOLUTION part2.3
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.is_prefill = True
+        seq.group_id = seq.seq_id
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         ### END SOLUTION
 
     # -- part 2.4: preemption by swap ---------------------------------------------------------
 
-    def _preempt_by_swap(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Move the sequence's blocks to the CPU pool; False (nothing done) if they do not fit.
+    def _preempt_by_swap(self, seqs: list[Sequence], out: SchedulerOutput) -> bool:
+        """Move the group's blocks to the CPU pool, in one swap; False (nothing done) if
+        ``can_swap_out`` refuses.
 
-        On success the map goes into ``out.blocks_to_swap_out``, the sequence becomes SWAPPED
-        and joins ``swapped`` in arrival order (``bisect.insort`` by ``_by_arrival``: a victim
-        is often newer than sequences swapped before it). Its computed tokens survive.
+        On success the map goes into ``out.blocks_to_swap_out``, and each sequence becomes
+        SWAPPED and joins ``swapped`` in arrival order (``bisect.insort`` by ``_by_arrival``: a
+        victim is often newer than sequences swapped before it). Their computed tokens survive.
         """
         ### BEGIN SOLUTION part2.4
-        if not self.block_manager.can_swap_out([seq]):
+        if not self.block_manager.can_swap_out(seqs):
             return False
-        out.blocks_to_swap_out.update(self.block_manager.swap_out([seq]))
-        seq.status = SequenceStatus.SWAPPED
-        bisect.insort(self.swapped, seq, key=_by_arrival)
+        out.blocks_to_swap_out.update(self.block_manager.swap_out(seqs))
+        for seq in seqs:
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=_by_arrival)
         return True
         ### END SOLUTION
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
-        """Swap sequences back in, oldest first, while the GPU pool and the budgets allow.
+        """Swap groups back in, oldest first, while the GPU pool and the budgets allow.
 
-        For the sequence at the front of ``swapped``, ``can_swap_in`` says:
-        NEVER: take it out and ignore it (``_ignore``, reason ``_never_fits``), go on;
-        LATER: stop. Stop too if its work does not fit the budgets (one more sequence, and one
-        token for a decode or ``_prefill_chunk`` tokens, none left: stop, for a sequence in its
-        prefill). Otherwise it is swapped in (the map goes into ``out.blocks_to_swap_in``),
-        becomes RUNNING, joins ``running`` in arrival order and is scheduled in this very step:
-        a decode gets the slot for its newest token (``append_slot``: ``can_swap_in`` kept a
-        block for it), a prefill its next chunk.
+        For the group at the front of ``swapped`` (``_front_group``: one sequence, or the
+        parallel samples swapped out together), ``can_swap_in(group)`` says:
+        NEVER: take the group out and ignore each of its sequences (``_ignore``, reason
+        ``_never_fits``), go on;
+        LATER: stop. Stop too if its work does not fit the budgets (a place per sequence, and one
+        token per decode, or ``_prefill_chunk`` tokens for a sequence in its prefill, none left:
+        stop). Otherwise the group is swapped in, in one ``swap_in`` (the map goes into
+        ``out.blocks_to_swap_in``); each sequence becomes RUNNING, joins ``running`` in arrival
+        order and is scheduled in this very step: a decode gets the slot for its newest token
+        (``append_slot``: ``can_swap_in`` kept a block for it), a prefill its next chunk.
         """
         ### BEGIN SOLUTION part2.4
         while self.swapped:
-            seq = self.swapped[0]
-            status = self.block_manager.can_swap_in([seq])
+            group = self._front_group(self.swapped)
+            status = self.block_manager.can_swap_in(group)
             if status is AllocStatus.NEVER:
-                self.swapped.pop(0)
-                self._ignore(seq, self._never_fits(seq), out)
+                del self.swapped[: len(group)]
+                for seq in group:
+                    self._ignore(seq, self._never_fits(seq), out)
                 continue
-            num_tokens = self._prefill_chunk(seq, budget) if seq.is_prefill else 1
-            if status is AllocStatus.LATER or num_tokens == 0:
+            tokens = [self._prefill_chunk(seq, budget) if seq.is_prefill else 1 for seq in group]
+            if status is AllocStatus.LATER or 0 in tokens:
                 break
-            if not budget.can_schedule(num_tokens, 1):
+            if not budget.can_schedule(sum(tokens), len(group)):
                 break
-            self.swapped.pop(0)
-            out.blocks_to_swap_in.update(self.block_manager.swap_in([seq]))
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_by_arrival)
-            if not seq.is_prefill:
-                self._append_slot(seq, out)
-            out.scheduled.append(ScheduledSequence(seq, num_tokens, seq.is_prefill))
-            budget.add(num_tokens, 1)
+            del self.swapped[: len(group)]
+            out.blocks_to_swap_in.update(self.block_manager.swap_in(group))
+            for seq, num_tokens in zip(group, tokens, strict=True):
+                seq.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, seq, key=_by_arrival)
+                if not seq.is_prefill:
+                    self._append_slot(seq, out)
+                out.scheduled.append(ScheduledSequence(seq, num_tokens, seq.is_prefill))
+            budget.add(sum(tokens), len(group))
         ### END SOLUTION
+
+    @staticmethod
+    def _front_group(seqs: list[Sequence]) -> list[Sequence]:
+        """The first sequence of ``seqs`` and the members of its group right after it (given)."""
+        end = 1
+        while end < len(seqs) and seqs[end].group_id == seqs[0].group_id:
+            end += 1
+        return seqs[:end]
 
     # -- part 2.5: chunked prefill ------------------------------------------------------------
 

@@ -65,7 +65,9 @@ class Sequence:
     Set for you after your code, and kept up to date by the scheduler (Phase 2):
     ``num_computed_tokens = 0``, the number of leading tokens whose K/V are in the cache, and
     ``is_prefill = True``, whether the sequence is in its prefill: from its admission (or its
-    re-admission after a preemption by recompute) until every token it had then is computed.
+    re-admission after a preemption by recompute) until every token it had then is computed;
+    ``group_id = seq_id``: the parallel samples of one request (``SamplingParams.n``) share
+    their first sequence's id as ``group_id``, and are preempted and swapped as a group.
 
     Raises ``ValueError`` for a ``block_size`` that is not a positive integer (``True`` and
     ``2.0`` are not; the message names ``block_size``), or for an empty prompt, with a message
@@ -99,6 +101,9 @@ class Sequence:
         # whether those it was admitted with are still being computed (vLLM's prefill stage).
         self.num_computed_tokens = 0
         self.is_prefill = True
+        # The parallel samples of one request share blocks and are preempted and swapped
+        # together (Phase 2): a group, named by its first sequence's id.
+        self.group_id = seq_id
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -60,6 +60,14 @@ class Swapper:
         return self.num_blocks(seqs) <= self.cpu_allocator.num_free_blocks
         ### END SOLUTION
 
+    def holds_alone(self, seqs: list[Sequence]) -> bool:
+        """Whether no sequence outside the group holds one of its GPU blocks: each block's
+        ``ref_count`` equals the number of the group's tables holding it (``_move``'s check)."""
+        ### BEGIN SOLUTION part1.4
+        blocks = self.gpu_allocator.blocks
+        return all(blocks[i].ref_count == n for i, n in _distinct_block_ids(seqs).items())
+        ### END SOLUTION
+
     def num_blocks(self, seqs: list[Sequence]) -> int:
         """The group's distinct blocks: what a swap of it moves (a shared block once)."""
         ### BEGIN SOLUTION part1.4
