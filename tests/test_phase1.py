@@ -1491,6 +1491,13 @@ def test_part4_can_swap_out_is_false_for_part_of_a_sharing_group():
     assert bm.can_swap_out([parent, child]) and bm.swapper.holds_alone([parent, child]), (
         "together the two hold every reference to their blocks: can_swap_out must be True"
     )
+    other = make_seq(3, 3, 4)
+    bm.allocate(other)
+    assert not bm.swapper.holds_alone([child, other]), (
+        "a group of 2 whose blocks of ref_count 2 it holds once each (the parent outside holds "
+        "them too) does not hold them alone: the count per block must match, not the group's "
+        "size"
+    )
 
 
 def test_part4_a_sharer_left_out_is_found_before_any_block_moves():

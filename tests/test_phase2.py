@@ -1645,6 +1645,22 @@ def test_part4_a_swapped_group_comes_back_whole_or_not_at_all():
     )
 
 
+def test_part4_a_swapped_group_that_can_never_come_back_is_ignored_whole():
+    s, old, parent, child = with_a_group("swap")
+    s.postprocess(s.schedule().scheduled, [TOKEN])  # the group is swapped out: 2 CPU blocks
+    s.abort(old.seq_id)  # the GPU pool of 4 is free
+    parent.token_ids += [TOKEN, TOKEN]  # 9 tokens in blocks for 8: its next step needs a block
+    child.token_ids += [TOKEN] * 3  # the same
+    s.block_manager.watermark_blocks = 1  # the group needs 2 + 2 blocks: NEVER with 1 kept free
+    out = s.schedule()
+    assert [item.seq for item in out.ignored] == [parent, child] and not s.swapped, (
+        "can_swap_in([1, 2]) is NEVER: the whole group is taken out and each ignored, in order "
+        "(alone, 2 could come back: 2 blocks + 1 fit); got ignored "
+        f"{[item.seq.seq_id for item in out.ignored]}, swapped {ids(s.swapped)}"
+    )
+    assert child.status is SequenceStatus.FINISHED_IGNORED and child.block_table == []
+
+
 def test_part4_a_swapped_group_needs_a_place_for_each_sequence():
     s, old, _parent, _child = with_a_group("swap")
     s.postprocess(s.schedule().scheduled, [TOKEN])  # the group is swapped out

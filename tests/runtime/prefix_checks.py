@@ -52,3 +52,15 @@ def check_prefix_cache(manager: PrefixCachingBlockManager, on_gpu: list[Sequence
             node = node.parent
     for node in tree._nodes():
         assert node.lock_ref == locks.get(id(node), 0), f"node {node.node_id}: lock_ref off"
+
+
+def check_tree_sizes(manager: PrefixCachingBlockManager) -> None:
+    """``evictable_size + protected_size`` is the tree's blocks, ``protected_size`` those of
+    locked nodes, and a locked node's parent is locked."""
+    tree, nodes = manager.tree, manager.tree._nodes()
+    protected = sum(len(node.blocks) for node in nodes if node.lock_ref > 0)
+    assert tree.protected_size == protected, f"protected {tree.protected_size}, locked {protected}"
+    assert tree.total_size == sum(len(node.blocks) for node in nodes), "sizes do not add up"
+    for node in nodes:
+        parent = node.parent
+        assert parent is tree.root or parent.lock_ref >= node.lock_ref, "a lock stops midway"

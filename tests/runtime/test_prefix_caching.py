@@ -1,12 +1,18 @@
 """Prefix caching in the engine: ``PrefixCachingBlockManager`` over the RadixCache, and the bar
 that greedy output with caching on equals output with it off."""
 
+from collections import Counter
+from typing import ClassVar
+
 import pytest
-from prefix_checks import check_prefix_cache, path_blocks
+from hypothesis import seed, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from prefix_checks import check_prefix_cache, check_tree_sizes, path_blocks
 
 from vkv import LLM, SamplingParams
 from vkv.config import Config
-from vkv.engine.block import NoFreeBlocksError
+from vkv.engine.block import Device, NoFreeBlocksError
 from vkv.engine.block_manager import AllocStatus
 from vkv.engine.prefix_caching import PrefixCachingBlockManager
 from vkv.engine.scheduler import Scheduler
@@ -217,3 +223,183 @@ def test_greedy_output_is_the_same_with_prefix_caching_on_and_off(
     cached = engines[True]
     assert cached.stats["prefix_cache_hits"] > 0, cached.stats
     assert cached.scheduler.num_preemptions > 0, "the pool is meant to be too small"
+
+
+class PrefixCachingMachine(RuleBasedStateMachine):
+    """Random admissions (prompts sharing prefixes), decodes, forks, finishes, preemptions and
+    swaps over a small pool, with the content of every slot tracked: after every step the
+    manager's invariants hold, every block's reference count equals its holders, and every
+    computed position of every sequence reads back the K/V written for its prefix (a stand-in
+    per slot: the prefix itself), so a prefix hit never serves another prefix's K/V."""
+
+    REACHED: ClassVar = None
+    PREFIXES: ClassVar = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9], [7, 7, 7, 7]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bs = 2
+        self.m = PrefixCachingBlockManager(self.bs, 10, 8, watermark=0.0)
+        self.slots: dict[tuple[Device, int], list[tuple | None]] = {}
+        self.gpu: list[Sequence] = []
+        self.cpu: list[Sequence] = []
+        self.waiting: list[Sequence] = []
+        self.next_id = 0
+
+    def slot(self, device: Device, block_id: int) -> list[tuple | None]:
+        return self.slots.setdefault((device, block_id), [None] * self.bs)
+
+    def write(self, seq: Sequence, start: int, end: int) -> None:
+        for pos in range(start, end):
+            block = seq.block_table[pos // self.bs]
+            self.slot(Device.GPU, block)[pos % self.bs] = tuple(seq.token_ids[: pos + 1])
+        seq.num_computed_tokens = end
+
+    def move(self, src: Device, dst: Device, mapping: dict[int, int]) -> None:
+        for a, b in mapping.items():
+            self.slots[dst, b] = list(self.slot(src, a))
+
+    @rule(data=st.data())
+    def admit(self, data):
+        if self.waiting and data.draw(st.booleans()):
+            seq = self.waiting.pop(0)
+        else:
+            tokens = data.draw(st.sampled_from(self.PREFIXES)) + data.draw(
+                st.lists(st.integers(0, 3), min_size=1, max_size=4)
+            )
+            seq = Sequence(self.next_id, tokens, self.bs)
+            self.next_id += 1
+        if self.m.can_allocate(seq) is not AllocStatus.OK:
+            self.REACHED["admit", "later"] += 1
+            self.waiting.append(seq)
+            return
+        self.m.allocate(seq)
+        self.REACHED["admit", "hit" if seq.num_computed_tokens else "miss"] += 1
+        self.write(seq, seq.num_computed_tokens, seq.num_tokens)
+        seq.append_token(data.draw(st.integers(0, 3)))
+        self.gpu.append(seq)
+
+    @rule(data=st.data())
+    def decode(self, data):
+        if not self.gpu:
+            return
+        seq = data.draw(st.sampled_from(self.gpu))
+        if not self.m.can_append_slot(seq):
+            self.REACHED["decode", "no room"] += 1
+            return
+        copy = self.m.append_slot(seq)
+        if copy is not None:
+            self.move(Device.GPU, Device.GPU, {copy[0]: copy[1]})
+        self.REACHED["decode", "copy on write" if copy else "in place"] += 1
+        self.write(seq, seq.num_tokens - 1, seq.num_tokens)
+        seq.append_token(data.draw(st.integers(0, 3)))
+
+    @rule(data=st.data())
+    def fork(self, data):
+        if not self.gpu:
+            return
+        parent = data.draw(st.sampled_from(self.gpu))
+        child = Sequence(self.next_id, parent.token_ids, self.bs)
+        self.next_id += 1
+        self.m.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.gpu.append(child)
+        self.REACHED["fork", "GPU"] += 1
+
+    @rule(data=st.data(), finished=st.booleans())
+    def free(self, data, finished):
+        if not self.gpu:
+            return
+        seq = data.draw(st.sampled_from(self.gpu))
+        self.gpu.remove(seq)
+        if finished:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        self.m.free(seq)
+        self.REACHED["free", "finish" if finished else "preempt"] += 1
+        if not finished:
+            seq.num_computed_tokens = 0
+            self.waiting.append(seq)
+
+    @rule(data=st.data())
+    def swap_out(self, data):
+        if not self.gpu:
+            return
+        seq = data.draw(st.sampled_from(self.gpu))
+        if not self.m.can_swap_out([seq]):
+            self.REACHED["swap out", "refused"] += 1
+            return
+        self.move(Device.GPU, Device.CPU, self.m.swap_out([seq]))
+        self.gpu.remove(seq)
+        self.cpu.append(seq)
+        self.REACHED["swap out", "moved"] += 1
+
+    @rule(data=st.data())
+    def swap_in(self, data):
+        if not self.cpu:
+            return
+        seq = data.draw(st.sampled_from(self.cpu))
+        if self.m.can_swap_in([seq]) is not AllocStatus.OK:
+            self.REACHED["swap in", "later"] += 1
+            return
+        self.move(Device.CPU, Device.GPU, self.m.swap_in([seq]))
+        self.cpu.remove(seq)
+        self.gpu.append(seq)
+        self.REACHED["swap in", "moved"] += 1
+
+    @invariant()
+    def consistent(self):
+        check_prefix_cache(self.m, self.gpu)
+        check_tree_sizes(self.m)
+        for device, allocator, seqs in (
+            (Device.GPU, self.m.gpu_allocator, self.gpu),
+            (Device.CPU, self.m.cpu_allocator, self.cpu),
+        ):
+            holders = [0] * allocator.num_blocks
+            for seq in seqs:
+                for block_id in seq.block_table:
+                    holders[block_id] += 1
+            assert [b.ref_count for b in allocator.blocks] == holders, f"{device}: refs"
+            used = sum(count > 0 for count in holders)
+            assert allocator.num_free_blocks + used == allocator.num_blocks, f"{device}: leak"
+            for seq in seqs:
+                for pos in range(seq.num_computed_tokens):
+                    got = self.slot(device, seq.block_table[pos // self.bs])[pos % self.bs]
+                    assert got == tuple(seq.token_ids[: pos + 1]), (
+                        f"sequence {seq.seq_id} position {pos} reads K/V of {got}"
+                    )
+
+
+def run_counted_machine(machine, options, required) -> None:
+    machine.REACHED = Counter()
+    seed(0)(machine)
+    run_state_machine_as_test(machine, settings=options)
+    missing = required - set(machine.REACHED)
+    assert not missing, f"the random runs never reached {sorted(missing)}: {machine.REACHED}"
+
+
+def test_random_operations_keep_the_invariants_and_the_content():
+    required = {
+        ("admit", "hit"),
+        ("admit", "miss"),
+        ("admit", "later"),
+        ("decode", "copy on write"),
+        ("decode", "in place"),
+        ("decode", "no room"),
+        ("fork", "GPU"),
+        ("free", "finish"),
+        ("free", "preempt"),
+        ("swap out", "moved"),
+        ("swap out", "refused"),
+        ("swap in", "moved"),
+    }
+    run_counted_machine(
+        PrefixCachingMachine,
+        settings(
+            max_examples=150,
+            stateful_step_count=40,
+            deadline=None,
+            derandomize=True,
+            database=None,
+        ),
+        required,
+    )
+    print(dict(PrefixCachingMachine.REACHED))

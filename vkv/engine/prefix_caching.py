@@ -119,13 +119,14 @@ class PrefixCachingBlockManager(BlockManager):
         return super().append_slot(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Phase 1's ``fork``; the parent's computed blocks are merged first, and the child locks
-        the parent's cached path, so every block the two share is cached or held by both."""
+        """Phase 1's ``fork``; the parent's computed full blocks are merged first (all of them,
+        also those computed since its first decode), and the child locks the parent's cached
+        path: every full block the two share is on a path both lock (a later write to a shared
+        partial block copies it)."""
         self._require_device(parent, Device.GPU)
         self._require_device(child, None)
         self._require_block_size(child)
-        if parent.seq_id not in self._merged:
-            self._merge(parent)
+        self._merge(parent)
         super().fork(parent, child)
         node = self._locked[parent.seq_id]
         self.tree.lock(node)
