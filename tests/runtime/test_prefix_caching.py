@@ -33,10 +33,7 @@ def computed(m: PrefixCachingBlockManager, seq_id: int, tokens: list[int]) -> Se
     """A sequence allocated and prefilled: its tokens all computed but the newest."""
     seq = Sequence(seq_id, tokens, BS)
     m.allocate(seq)
-    seq.num_computed_tokens = seq.num_tokens
-    seq.is_prefill = False
-    seq.append_token(7)
-    return seq
+    return prefilled(seq)
 
 
 def finish(m: PrefixCachingBlockManager, seq: Sequence) -> None:
@@ -77,10 +74,20 @@ def test_cached_blocks_in_use_cost_no_free_block_at_admission():
     assert m.can_allocate(c) is AllocStatus.OK and m.can_allocate(b) is AllocStatus.OK
 
 
+def prefilled(seq: Sequence) -> Sequence:
+    """What a step's prefill and postprocess do to an allocated sequence."""
+    seq.num_computed_tokens, seq.is_prefill = seq.num_tokens, False
+    seq.append_token(7)
+    return seq
+
+
 def test_identical_prompts_admitted_together_share_blocks_from_their_first_decode():
     m = manager()
-    a, b = computed(m, 0, prompt(9)), computed(m, 1, prompt(9))
-    assert set(a.block_table).isdisjoint(b.block_table), "both computed the prompt"
+    a, b = Sequence(0, prompt(9), BS), Sequence(1, prompt(9), BS)
+    m.allocate(a)
+    m.allocate(b)  # the same step: a's blocks are not computed yet
+    assert set(a.block_table).isdisjoint(b.block_table), "both compute the prompt"
+    prefilled(a), prefilled(b)
     free_before = m.num_free_gpu_blocks
     m.append_slot(a)
     m.append_slot(b)
@@ -88,6 +95,33 @@ def test_identical_prompts_admitted_together_share_blocks_from_their_first_decod
     assert m.num_free_gpu_blocks == free_before + 2, "b's two duplicates are freed"
     assert [m.gpu_allocator.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
     check_prefix_cache(m, [a, b])
+
+
+def test_a_prompt_admitted_a_step_after_another_reuses_its_computed_blocks():
+    m = manager()
+    a = prefilled(allocated(m, 0, prompt(9)))  # computed in the last step, not decoded yet
+    b = Sequence(1, [*prompt(9), 5], BS)
+    assert m.num_cached_tokens(b) == 8, "a's prefill is merged before b's admission"
+    m.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2] and b.num_computed_tokens == 8
+    check_prefix_cache(m, [a, b])
+
+
+def test_a_chunked_prefill_shares_its_chunks_as_they_are_computed():
+    m = manager()
+    a = allocated(m, 0, prompt(13))
+    a.num_computed_tokens = 8  # the first chunk: 2 full blocks
+    b = Sequence(1, prompt(13), BS)
+    assert m.num_cached_tokens(b) == 8
+    a.num_computed_tokens = 12
+    assert m.num_cached_tokens(b) == 12, "the next chunk's block is merged too"
+    check_prefix_cache(m, [a])
+
+
+def allocated(m: PrefixCachingBlockManager, seq_id: int, tokens: list[int]) -> Sequence:
+    seq = Sequence(seq_id, tokens, BS)
+    m.allocate(seq)
+    return seq
 
 
 def test_eviction_gives_up_the_least_recently_used_prefix_first():

@@ -7,12 +7,16 @@ rule of Phase 1 for blocks that are not cached.
 
 Which blocks are cached, and when:
 
-- a block enters the tree once it is full and computed: when its sequence is freed (finished,
-  aborted, preempted by recompute), and for the blocks a prefill computed, at the sequence's
-  first decode (``append_slot``). If the tree already has blocks for that prefix (another
-  sequence computed the same prompt in the same step), the sequence switches to the tree's
-  blocks and frees its own copies: identical prompts admitted together share their blocks
-  from their first decode on (the "late merge" of nano-vLLM's issue 219);
+- a block enters the tree once it is full and computed: the blocks a prefill (or a chunk of
+  one) computed, before the next admission is decided (``can_allocate``, ``num_cached_tokens``
+  and ``allocate`` first merge the sequences whose prefill computed more since they were
+  allocated or swapped in) or at the sequence's first decode (``append_slot``), whichever
+  comes first, so a prompt admitted one step after another reuses its blocks; the blocks its
+  decodes fill, when the sequence is freed (finished, aborted, preempted by recompute). If the
+  tree already has blocks for that prefix (another sequence computed the same prompt in the
+  same step), the sequence switches to the tree's blocks and frees its own copies: identical
+  prompts admitted together share their blocks from the next step on (the "late merge" of
+  nano-vLLM's issue 219);
 - ``allocate`` reuses the blocks of the longest cached prefix (never the last prompt token's:
   its logits are needed) and sets ``seq.num_computed_tokens`` to the tokens they hold, so the
   prefill computes only the rest; ``num_cached_tokens(seq)`` tells the scheduler that number
@@ -67,27 +71,28 @@ class PrefixCachingBlockManager(BlockManager):
         super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark)
         self.tree = RadixCache(block_size)
         self._locked: dict[int, TreeNode] = {}  # seq id -> the node of its cached path
-        self._merged: set[int] = set()  # sequences whose computed blocks the tree has seen
+        self._num_cached: dict[int, int] = {}  # seq id -> leading table blocks in the tree
+        self._unmerged: dict[int, Sequence] = {}  # allocated or swapped in, prefill not merged
         self._counted: set[int] = set()  # sequences counted in the hit stats
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of the prompt whose blocks the tree holds (what ``allocate`` reuses)."""
-        return len(self.tree.match_prefix(seq.token_ids).blocks) * self.block_size
+        return len(self._match(seq).blocks) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> AllocStatus:
         """As Phase 1's, but cached blocks that are in use cost nothing: the need is the prompt's
         blocks less those. NEVER still compares the whole prompt with the pool."""
         if self.num_gpu_blocks - seq.num_blocks < self.watermark_blocks:
             return AllocStatus.NEVER
-        return self._fit_status(self._need(seq, self.tree.match_prefix(seq.token_ids)))
+        return self._fit_status(self._need(seq, self._match(seq)))
 
     def allocate(self, seq: Sequence) -> None:
         """Phase 1's ``allocate``, starting from the longest cached prefix (see the module doc)."""
         self._require_device(seq, None)
         self._require_block_size(seq)
-        hit = self.tree.match_prefix(seq.token_ids)
+        hit = self._match(seq)
         need = self._need(seq, hit)
         if need > self.num_free_gpu_blocks:
             raise NoFreeBlocksError(
@@ -103,6 +108,8 @@ class PrefixCachingBlockManager(BlockManager):
         seq.block_table = hit.blocks + new_blocks
         self._device_of[seq.seq_id] = Device.GPU
         self._locked[seq.seq_id] = hit.node
+        self._num_cached[seq.seq_id] = len(hit.blocks)
+        self._unmerged[seq.seq_id] = seq
         seq.num_computed_tokens = len(hit.blocks) * self.block_size
         if seq.seq_id not in self._counted:
             self._counted.add(seq.seq_id)
@@ -110,10 +117,10 @@ class PrefixCachingBlockManager(BlockManager):
             self.num_hit_tokens += seq.num_computed_tokens
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Phase 1's ``append_slot``; at a sequence's first decode its computed blocks are merged
-        into the tree first."""
+        """Phase 1's ``append_slot``; at a sequence's first decode, its computed blocks are merged
+        into the tree first (if no admission did it)."""
         self._require_device(seq, Device.GPU)
-        if seq.seq_id not in self._merged:
+        if seq.seq_id in self._unmerged:
             self._merge(seq)
         self._make_room(self._blocks_to_append(seq))
         return super().append_slot(seq)
@@ -131,7 +138,7 @@ class PrefixCachingBlockManager(BlockManager):
         node = self._locked[parent.seq_id]
         self.tree.lock(node)
         self._locked[child.seq_id] = node
-        self._merged.add(child.seq_id)
+        self._num_cached[child.seq_id] = self._num_cached[parent.seq_id]
 
     def free(self, seq: Sequence) -> None:
         """Phase 1's ``free``; a sequence on the GPU first offers its computed full blocks to the
@@ -154,7 +161,24 @@ class PrefixCachingBlockManager(BlockManager):
         """Phase 1's ``swap_in``, after making room for the group's blocks."""
         self._require_group_on(seqs, Device.CPU)
         self._make_room(self.swapper.num_blocks(seqs))
-        return super().swap_in(seqs)
+        mapping = super().swap_in(seqs)
+        for seq in seqs:
+            self._num_cached[seq.seq_id] = 0
+            self._unmerged[seq.seq_id] = seq
+        return mapping
+
+    def _match(self, seq: Sequence) -> MatchResult:
+        """The tree's longest cached prefix of the sequence's tokens, once the prefills computed
+        since the last admission are in the tree (``_merge_computed``)."""
+        self._merge_computed()
+        return self.tree.match_prefix(seq.token_ids)
+
+    def _merge_computed(self) -> None:
+        """Merge every unmerged sequence whose prefill computed a full block more, or all."""
+        for seq in list(self._unmerged.values()):
+            full = seq.num_computed_tokens // self.block_size
+            if full > self._num_cached[seq.seq_id] or seq.num_computed_tokens >= seq.num_tokens - 1:
+                self._merge(seq)
 
     def _need(self, seq: Sequence, hit: MatchResult) -> int:
         """Free GPU blocks the prompt takes: all its blocks but the cached ones in use."""
@@ -201,12 +225,15 @@ class PrefixCachingBlockManager(BlockManager):
         self.tree.lock(path.node)
         self._release(seq)
         self._locked[seq.seq_id] = path.node
-        self._merged.add(seq.seq_id)
+        self._num_cached[seq.seq_id] = len(path.blocks)
+        if seq.num_computed_tokens < seq.num_tokens - 1:  # its prefill goes on
+            self._unmerged[seq.seq_id] = seq
 
     def _release(self, seq: Sequence) -> None:
         """Unlock the sequence's cached path (it is about to drop or move its GPU blocks)."""
         self.tree.unlock(self._locked.pop(seq.seq_id, self.tree.root))
-        self._merged.discard(seq.seq_id)
+        self._num_cached.pop(seq.seq_id, None)
+        self._unmerged.pop(seq.seq_id, None)
 
 
 def _path_hashes(node: TreeNode) -> list[int]:

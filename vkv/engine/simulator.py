@@ -73,6 +73,12 @@ class SimulationResult:
     ignored: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
     elapsed: float = 0.0
+    first_token_time: dict[int, float] = field(default_factory=dict)  # seq id -> clock
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens the steps computed: prompts (less prefix-cache hits), recomputations, decodes."""
+        return sum(step.num_batched_tokens for step in self.steps)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -97,12 +103,19 @@ class SimulationResult:
         return live / reserved if reserved else 0.0
 
 
-def make_sequences(requests: Iterable[Request], block_size: int) -> list[Sequence]:
-    """One sequence per request: a prompt of distinct token ids, ``max_tokens`` = output length."""
+def make_sequences(
+    requests: Iterable[Request], block_size: int, prompts: list[list[int]] | None = None
+) -> list[Sequence]:
+    """One sequence per request, ``max_tokens`` = its output length: the prompt ``prompts[i]``
+    if given, else distinct token ids (no two prompts share a prefix)."""
     return [
         Sequence(
             seq_id,
-            [(seq_id + i) % 50_000 + 8 for i in range(request.prompt_len)],
+            (
+                prompts[seq_id]
+                if prompts is not None
+                else [(seq_id + i) % 50_000 + 8 for i in range(request.prompt_len)]
+            ),
             block_size,
             SamplingParams(max_tokens=request.output_len, ignore_eos=True),
             arrival_time=request.arrival_time,
@@ -117,8 +130,12 @@ def simulate(
     cost_model: CostModel | None = None,
     on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
     max_steps: int | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> SimulationResult:
     """Serve ``requests`` (sorted by arrival) to the end; return what every step did.
+
+    ``prompts`` gives each request's token ids (``make_sequences``), so that prompts can share
+    prefixes (with ``config.enable_prefix_caching``).
 
     ``on_step`` is called after each step's postprocess (tests check invariants there).
     A step that runs nothing but changes the queues (only preempts, swaps in or ignores) is
@@ -130,7 +147,7 @@ def simulate(
         max_steps = 4 * sum(r.prompt_len + r.output_len for r in requests) + 1000
     cost_model = cost_model or CostModel()
     scheduler = Scheduler(config)
-    pending = make_sequences(requests, config.block_size)
+    pending = make_sequences(requests, config.block_size, prompts)
     result = SimulationResult()
     clock, next_arrival = 0.0, 0
     while next_arrival < len(pending) or not scheduler.is_finished():
@@ -157,6 +174,9 @@ def simulate(
         result.finished += scheduler.postprocess(
             out.scheduled, [STAND_IN_TOKEN] * len(out.scheduled)
         )
+        for seq in out.seqs:
+            if seq.num_completion_tokens == 1:
+                result.first_token_time.setdefault(seq.seq_id, clock)
         if on_step is not None:
             on_step(scheduler, out)
     result.num_preemptions = scheduler.num_preemptions
