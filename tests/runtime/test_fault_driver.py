@@ -3,13 +3,14 @@
 Each run draws an engine (block size 1, 4 or 16; a GPU pool of 8 to 48 tokens and a CPU pool
 of 0, 1 or 2 times it; swap or recompute preemption; chunked prefill on or off) over a tiny
 random Qwen3, then for ``steps`` steps adds requests (some longer than ``max_model_len``:
-refused; some longer than the pool: ignored; some poisoned: the model raises on them), aborts
-requests (running, waiting, swapped, already finished, unknown: the last two refused), and
-steps. After every step it checks the engine's invariants. Then, with no more arrivals,
+refused; some longer than the pool: ignored; some poisoned: the model raises on them; one in
+five asks for 2 or 3 parallel samples, which fork, share blocks and are preempted as a group),
+aborts requests (running, waiting, swapped, already finished, unknown: the last two refused),
+and steps. After every step it checks the engine's invariants. Then, with no more arrivals,
 everything must finish within a bound (no livelock). At the end every poisoned request has
 failed alone (``finish_reason == "error"``, nothing generated) unless it was ignored or aborted
-first, and every other completion, whatever ended it, is a prefix of the greedy completion of
-the same prompt served alone.
+first, and every other completion (each sample's), whatever ended it, is a prefix of the greedy
+completion of the same prompt served alone.
 
 The short version runs in every test run; ``uv run pytest -m slow
 tests/runtime/test_fault_driver.py`` runs the long one (20 seeds of 1,000 steps).
@@ -199,7 +200,8 @@ def drive(
             if caching:
                 prompt = shared_prefix(rng, engine, prompts) + prompt[: rng.choice([1, 8, 30])]
             prompt[0] = POISON if rng.random() < 0.15 else prompt[0]
-            params = SamplingParams(max_tokens=rng.randint(1, 30), **GREEDY)
+            n = min(rng.choice([1, 1, 1, 2, 3]), engine.config.max_num_seqs)
+            params = SamplingParams(max_tokens=rng.randint(1, 30), n=n, **GREEDY)
             try:
                 request = engine.add_request(prompt, params)
             except ValueError:
@@ -246,8 +248,10 @@ def drive(
         assert reasons.get(request) != "error", f"seed {seed}: request {request} failed"
         if quantized:
             continue
-        expected = alone(prompt)[: len(got)]
-        assert got == expected, f"seed {seed}, request {request}: {got} != alone {expected}"
+        for sample in engine.samples(request):  # n > 1: every greedy sample is the same
+            got = sample.completion_token_ids
+            expected = alone(prompt)[: len(got)]
+            assert got == expected, f"seed {seed}, request {request}: {got} != alone {expected}"
     return seen
 
 
