@@ -1576,7 +1576,12 @@ def test_part4_swap_in_respects_the_watermark_and_is_all_or_nothing():
 
 
 def swap_in_lookahead(group: list[Sequence]) -> int:
-    return sum(seq.num_blocks > len(seq.block_table) for seq in group)
+    """A block for each sequence whose newest token has no slot or whose last block another
+    table of the (closed) group holds too."""
+    holders = Counter(block_id for seq in group for block_id in seq.block_table)
+    return sum(
+        seq.num_blocks > len(seq.block_table) or holders[seq.block_table[-1]] > 1 for seq in group
+    )
 
 
 def swap_in_status(bm: BlockManager, group: list[Sequence]) -> AllocStatus:
@@ -1670,6 +1675,24 @@ def test_part4_swap_in_counts_a_lookahead_per_sequence_and_shared_blocks_once():
         assert status is expected, (
             f"2 distinct blocks + a lookahead block for each of 2 sequences = 4 needed, "
             f"{bm.num_free_gpu_blocks} free: {expected.name}, got {status}"
+        )
+
+
+def test_part4_swap_in_counts_a_copy_on_write_for_a_shared_last_block():
+    for filler, expected in ((17, AllocStatus.LATER), (16, AllocStatus.OK)):
+        bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
+        parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
+        bm.allocate(parent)
+        bm.fork(parent, child)  # 2 shared blocks; the last one holds 2 of 4 tokens
+        parent.append_token(1)
+        child.append_token(1)  # both newest tokens go into the shared last block: copies
+        bm.swap_out([parent, child])
+        bm.allocate(make_seq(3, filler, 4))  # 5 blocks (3 free) or 4 (4 free)
+        status = bm.can_swap_in([parent, child])
+        assert status is expected, (
+            "2 distinct blocks + a block for each of 2 sequences whose last block is shared "
+            f"(its write copies it) = 4 needed, {bm.num_free_gpu_blocks} free: "
+            f"{expected.name}, got {status}"
         )
 
 

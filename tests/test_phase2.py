@@ -1026,6 +1026,7 @@ def with_a_group(mode: str = "auto", **overrides) -> tuple[Scheduler, Sequence, 
     s.add(parent)
     step(s)  # prefills: 0 holds 2 blocks (9 tokens now), 1 holds 2 (7 tokens now)
     child = Sequence(2, parent.prompt_token_ids, 4, SamplingParams(max_tokens=8))
+    child.append_token(TOKEN + 1)  # its own first token, sampled from the parent's logits
     s.fork(parent, child)  # given: 2 shares 1's blocks, joins its group and running
     assert ids(s.running) == [0, 1, 2] and s.block_manager.num_free_gpu_blocks == 0, (
         "setup (parts 2.1, 2.2): 0, then the group [1, 2], fill the pool of 4; got running "
@@ -1650,7 +1651,7 @@ def test_part4_a_swapped_group_that_can_never_come_back_is_ignored_whole():
     s.postprocess(s.schedule().scheduled, [TOKEN])  # the group is swapped out: 2 CPU blocks
     s.abort(old.seq_id)  # the GPU pool of 4 is free
     parent.token_ids += [TOKEN, TOKEN]  # 9 tokens in blocks for 8: its next step needs a block
-    child.token_ids += [TOKEN] * 3  # the same
+    child.token_ids += [TOKEN, TOKEN]  # the same
     s.block_manager.watermark_blocks = 1  # the group needs 2 + 2 blocks: NEVER with 1 kept free
     out = s.schedule()
     assert [item.seq for item in out.ignored] == [parent, child] and not s.swapped, (

@@ -212,7 +212,9 @@ def drive(
                 seen["added"] += 1
         elif roll < 0.25:
             request = rng.randrange(engine._next_id + 2)  # the last ids are unknown
-            finished = request not in prompts or engine.sequence(request).is_finished
+            finished = request not in prompts or all(
+                sample.is_finished for sample in engine.samples(request)
+            )
             try:
                 engine.abort(request)
             except ValueError:

@@ -41,9 +41,9 @@ def test_the_prompt_is_computed_once_and_its_blocks_shared():
     samples = engine.samples(request)
     assert len(samples) == 4 and all(len(s.completion_token_ids) == 40 for s in samples)
     computed = sum(step["batched_tokens"] for step in stats)
-    assert computed == prompt_len + 3 + 4 * 39, (
-        "the prompt once, each other sample recomputes the prompt's last token for its own "
-        f"first sample, then 39 decodes each: got {computed} tokens"
+    assert computed == prompt_len + 4 * 39, (
+        "the prompt once (its logits give all four first tokens), then 39 decodes each: got "
+        f"{computed} tokens"
     )
     assert max(step["shared_blocks"] for step in stats) >= 3 * (prompt_len // 16)
     assert sum(step["blocks_copied"] for step in stats) >= 1, "the shared last block is copied"

@@ -19,10 +19,12 @@ takes the last block would force a preemption at the very next decode step.
         LATER  otherwise                                      (fits once others free blocks)
 
 The swap-in rule. A swapped-out group comes back only if it can also take its next step: its
-distinct blocks, plus one block for each sequence whose newest token has no slot yet (vLLM v0
-reserves such a lookahead slot too). ``can_swap_in`` answers like admission, for that need:
+distinct blocks, plus one block for each sequence whose next ``append_slot`` may take one: its
+newest token has no slot yet, or its last block is shared (a copy on write; vLLM v0 reserves
+such a lookahead slot too). ``can_swap_in`` answers like admission, for that need:
 
-    can_swap_in(seqs), with need = distinct blocks + sequences with seq.num_blocks > len(table):
+    can_swap_in(seqs), with need = distinct blocks + sequences with seq.num_blocks > len(table)
+                                   or a last block of ref_count > 1:
         NEVER / OK / LATER   exactly as can_allocate, watermark included
 
 For a single sequence the need is ``seq.num_blocks``, what re-admitting it would take after a
@@ -322,7 +324,11 @@ class BlockManager:
         """
         ### BEGIN SOLUTION part1.4
         self._require_group_on(seqs, Device.CPU)
-        lookahead = sum(seq.num_blocks > len(seq.block_table) for seq in seqs)
+        blocks = self.cpu_allocator.blocks
+        lookahead = sum(
+            seq.num_blocks > len(seq.block_table) or blocks[seq.block_table[-1]].ref_count > 1
+            for seq in seqs
+        )
         return self._fit_status(self.swapper.num_blocks(seqs) + lookahead)
         ### END SOLUTION
 

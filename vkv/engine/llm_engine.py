@@ -165,6 +165,7 @@ class LLMEngine:
         self._sample_of: dict[int, tuple[int, int]] = {}  # sequence id -> (request id, index)
         self._streamed: dict[int, tuple[int, str]] = {}  # tokens and text already returned
         self._errors: dict[int, str] = {}  # sequence id -> why it failed
+        self._more_tokens: dict[int, list[int]] = {}  # this step's other samples' first tokens
         self._next_id = 0
         self.stats: dict[str, float] = {}
 
@@ -189,13 +190,28 @@ class LLMEngine:
         self._streamed[seq.seq_id] = (0, "")
         self._next_id = max(self._next_id, seq.seq_id + 1)
 
-    def _fork_samples(self, parent: Sequence) -> None:
-        """A request of ``n`` samples whose prompt is computed gets its other ``n - 1``: each
-        shares the prompt's blocks (``Scheduler.fork``) and samples with a seed of its own. If
-        the first sample finished at its first token, the others are new requests instead."""
-        params = parent.sampling_params
-        for index in range(1, params.n):
-            own = replace(params, n=1, seed=sample_seed(params.seed, index))
+    def _forks_due(self, scheduled: list[ScheduledSequence]) -> dict[int, list[SamplingParams]]:
+        """For each request of ``n > 1`` samples whose prompt this step completes, the params of
+        its other ``n - 1`` samples: their first tokens are drawn from the same logits."""
+        due = {}
+        for item in scheduled:
+            seq = item.seq
+            params = seq.sampling_params
+            unforked = params.n > len(self._samples.get(seq.seq_id, ())) == 1
+            if unforked and seq.num_computed_tokens + item.num_tokens == seq.num_tokens:
+                due[seq.seq_id] = [
+                    replace(params, n=1, seed=sample_seed(params.seed, index))
+                    for index in range(1, params.n)
+                ]
+        return due
+
+    def _fork_samples(self, parent: Sequence, params: list[SamplingParams], firsts: list[int]):
+        """The other samples of a request whose prompt was computed: each starts with its own
+        first token and shares the prompt's blocks (``Scheduler.fork``); one that is done with
+        that token finishes at once, and if the first sample finished already, the others
+        are new requests. Returns the new sequences."""
+        children = []
+        for own, first in zip(params, firsts, strict=True):
             child = Sequence(
                 self._next_id,
                 parent.prompt_token_ids,
@@ -203,11 +219,17 @@ class LLMEngine:
                 own,
                 parent.arrival_time,
             )
-            if parent.is_finished:
+            child.append_token(first)
+            self._track(child, parent.seq_id)
+            status = self.scheduler._stop_status(child, first)
+            if status is not None:
+                child.status = status
+            elif parent.is_finished:
                 self.scheduler.add(child)
             else:
                 self.scheduler.fork(parent, child)
-            self._track(child, parent.seq_id)
+            children.append(child)
+        return children
 
     def check_request(
         self, prompt: str | list[int], params: SamplingParams | None = None
@@ -281,12 +303,13 @@ class LLMEngine:
         started = time.perf_counter()
         out = self.scheduler.schedule()
         self.runner.apply_block_maps(out, self.scheduler.running, self.scheduler.swapped)
-        self.scheduler.postprocess(out.scheduled, self._execute(out.scheduled))
-        for seq in out.seqs:  # n > 1: the prompt is computed, the first token sampled
-            unforked = seq.sampling_params.n > len(self._samples.get(seq.seq_id, ())) == 1
-            if unforked and seq.num_completion_tokens == 1:
-                self._fork_samples(seq)
+        forks, self._more_tokens = self._forks_due(out.scheduled), {}
+        self.scheduler.postprocess(out.scheduled, self._execute(out.scheduled, forks))
         touched = [item.seq for item in out.scheduled] + [i.seq for i in out.ignored]
+        for seq_id, firsts in self._more_tokens.items():  # n > 1: the other samples begin
+            parent = self._requests[seq_id]
+            if parent.num_completion_tokens == 1:
+                touched += self._fork_samples(parent, forks[seq_id], firsts)
         outputs = [self._output(seq) for seq in touched]
         elapsed = time.perf_counter() - started
         manager = self.scheduler.block_manager
@@ -310,19 +333,25 @@ class LLMEngine:
         }
         return outputs
 
-    def _execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
+    def _execute(
+        self,
+        scheduled: list[ScheduledSequence],
+        forks: dict[int, list[SamplingParams]] | None = None,
+    ) -> list[int]:
         """The batch's sampled tokens; when it raises, each sequence runs again on its own.
 
         A sequence that raises alone fails (``_fail``); its token is a placeholder that
         ``postprocess`` skips, since the sequence is finished by then.
         """
         try:
-            return self.runner.execute(scheduled)
+            tokens = self.runner.execute(scheduled, forks)
+            self._more_tokens.update(self.runner.more_tokens)
+            return tokens
         except NotImplementedError:
             raise
         except Exception as error:
             if len(scheduled) > 1:
-                return [token for item in scheduled for token in self._execute([item])]
+                return [token for item in scheduled for token in self._execute([item], forks)]
             self._fail(scheduled[0].seq, error)
             return [FAILED_TOKEN]
 

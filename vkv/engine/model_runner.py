@@ -10,7 +10,7 @@ are sampled (a prefill chunk that stops short gets a token the scheduler then ig
 """
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import ModuleType
 
 import torch
@@ -95,13 +95,21 @@ class ModelRunner:
         self.model_seconds = 0.0
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
+    def execute(
+        self,
+        scheduled: list[ScheduledSequence],
+        more_samples: Mapping[int, list[SamplingParams]] | None = None,
+    ) -> list[int]:
         """Run the model over the scheduled tokens; one sampled token per sequence, in order.
 
-        Only the slots of ``scheduled`` are written, so a subset of a step's batch can run
-        again on its own. ``model_seconds`` adds the time the model's forward took (the rest of
-        a step is overhead: scheduling, block maps, inputs, sampling).
+        ``more_samples`` maps a sequence id to the params of more samples to draw from the same
+        logits (parallel sampling: the other samples' first tokens); they are left in
+        ``self.more_tokens`` (sequence id -> tokens, in order). Only the slots of ``scheduled``
+        are written, so a subset of a step's batch can run again on its own. ``model_seconds``
+        adds the time the model's forward took (the rest of a step is overhead: scheduling,
+        block maps, inputs, sampling).
         """
+        self.more_tokens = {}
         if not scheduled:
             return []
         input_ids, positions, meta = self.prepare(scheduled)
@@ -112,6 +120,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - started
+        if more_samples:
+            for row, item in zip(last, scheduled, strict=True):
+                step, seq_id = item.seq.num_tokens, item.seq.seq_id
+                for params in more_samples.get(seq_id, ()):
+                    self.more_tokens.setdefault(seq_id, []).append(sample(row, params, step))
         params = [item.seq.sampling_params for item in scheduled]
         if all(p.greedy for p in params):
             return last.argmax(-1).tolist()

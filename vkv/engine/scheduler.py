@@ -232,28 +232,34 @@ class Scheduler:
         ### END SOLUTION
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Add ``child``, a fresh sequence whose tokens begin the running ``parent``'s, as a
-        parallel sample: it shares the parent's blocks (``block_manager.fork``), joins its group
-        and ``running``, and computes its newest token again in its next step, as a decode (its
-        own logits, its own sample; the write copies the shared last block). Given.
+        """Add ``child`` as a parallel sample of the running ``parent``: a fresh sequence whose
+        tokens are the parent's computed tokens and one more, its own newest token (sampled from
+        the same logits as the parent's). It shares the parent's blocks (``block_manager.fork``),
+        counts the same tokens computed, joins its group and ``running``, and decodes its newest
+        token in its next step (the write copies a shared last block). Given.
 
-        Raises ``ValueError`` unless the parent is running here and out of its prefill, and the
-        child could be ``add``-ed and its tokens are a prefix of the parent's.
+        Raises ``ValueError`` unless the parent is running here, out of its prefill, and the
+        child could be ``add``-ed with such tokens.
         """
         if self._unfinished.get(parent.seq_id) is not parent or parent.status is not (
             SequenceStatus.RUNNING
         ):
             raise ValueError(f"fork: sequence {parent.seq_id} is not running here")
-        if parent.is_prefill or parent.token_ids[: child.num_tokens] != child.token_ids:
+        computed = parent.num_computed_tokens
+        if (
+            parent.is_prefill
+            or child.num_tokens != computed + 1
+            or child.token_ids[:computed] != parent.token_ids[:computed]
+        ):
             raise ValueError(
-                f"fork: sequence {child.seq_id}'s tokens are not computed tokens of sequence "
-                f"{parent.seq_id}"
+                f"fork: sequence {child.seq_id} must hold the {computed} computed tokens of "
+                f"sequence {parent.seq_id} and one of its own"
             )
         self.add(child)
         self.waiting.pop()
         self.block_manager.fork(parent, child)
         child.group_id, child.arrival_time = parent.group_id, parent.arrival_time
-        child.num_computed_tokens, child.is_prefill = child.num_tokens - 1, False
+        child.num_computed_tokens, child.is_prefill = computed, False
         child.status = SequenceStatus.RUNNING
         bisect.insort(self.running, child, key=_by_arrival)
 
