@@ -199,6 +199,23 @@ def snapshot(m: PrefixCachingBlockManager) -> tuple:
     return blocks, counts, (m.tree.evictable_size, m.tree.protected_size), dict(m._locked)
 
 
+def test_blocks_shared_with_a_fork_that_locks_no_path_to_them_are_not_cached():
+    m = manager()
+    m.tree.hash_function = lambda parent, tokens: 0  # every block collides
+    finish(m, computed(m, 0, prompt(9, 100)))  # cached under hash 0
+    parent = computed(m, 1, prompt(9, 200))
+    child = Sequence(2, parent.token_ids, BS)
+    m.fork(parent, child)  # the parent's merge collides: nothing cached, both lock the root
+    child.num_computed_tokens = parent.num_computed_tokens
+    m._make_room(m.num_free_gpu_blocks)  # the colliding prefix is evicted
+    m.free(parent)  # preempted: its blocks, still the child's, must not become cached
+    check_prefix_cache(m, [child])
+    child.status = SequenceStatus.FINISHED_STOPPED
+    m.free(child)  # the last holder: now they are
+    assert m.num_cached_tokens(Sequence(3, prompt(9, 200), BS)) == 8
+    check_prefix_cache(m, [])
+
+
 def test_a_refused_allocate_changes_nothing():
     m = manager(num_gpu_blocks=3)
     finish(m, computed(m, 0, prompt(9)))

@@ -200,14 +200,20 @@ class PrefixCachingBlockManager(BlockManager):
 
         Blocks the tree did not have become cached (their content hash is set); where it had
         blocks already, its own ones are on the returned path and the sequence's are duplicates.
+        Only blocks the sequence holds alone can become cached: the offer stops before an
+        uncached block another sequence holds too (a fork's, whose holder locks no path to it).
         """
-        num_blocks = seq.num_computed_tokens // self.block_size
+        blocks, num_blocks = self.gpu_allocator.blocks, seq.num_computed_tokens // self.block_size
+        for index, block_id in enumerate(seq.block_table[:num_blocks]):
+            if blocks[block_id].ref_count > 1 and blocks[block_id].content_hash is None:
+                num_blocks = index
+                break
         tokens = seq.token_ids[: num_blocks * self.block_size]
         self.tree.insert(tokens, seq.block_table[:num_blocks])
         path = self.tree.match_prefix([*tokens, 0])  # one more token: the match may take all
         hashes = _path_hashes(path.node)
         for index, block_id in enumerate(path.blocks):
-            block = self.gpu_allocator.blocks[block_id]
+            block = blocks[block_id]
             if block_id == seq.block_table[index] and block.content_hash is None:
                 block.content_hash = hashes[index]
                 block.num_hashed_tokens = (index + 1) * self.block_size
