@@ -93,6 +93,11 @@ class BlockManager:
     "watermark must be in [0, 1), got 1.0".
     """
 
+    # Prompt tokens looked up in a prefix cache and found there, so far (given: prefix caching,
+    # Phase 4, counts them; the metrics of Phase 5 read them).
+    num_query_tokens = 0
+    num_hit_tokens = 0
+
     def __init__(
         self,
         block_size: int,

@@ -26,9 +26,11 @@ import torch
 from vkv.config import Config
 from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
 from vkv.engine.model_runner import ModelRunner
-from vkv.engine.scheduler import ScheduledSequence, Scheduler
+from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.kernels import reference
+from vkv.metrics.registry import EngineMetrics
+from vkv.metrics.stats import StatLogger
 from vkv.models.loader import load_checkpoint
 from vkv.sampling_params import MAX_SEED, SamplingParams
 
@@ -168,6 +170,18 @@ class LLMEngine:
         self._more_tokens: dict[int, list[int]] = {}  # this step's other samples' first tokens
         self._next_id = 0
         self.stats: dict[str, float] = {}
+        self.metrics = EngineMetrics(max_model_len, model_name=model_label(model))
+        self.metrics.kv_cache_bytes_per_token.labels(model_name=self.metrics.model_name).set(
+            shape.block_bytes / block_size
+        )
+        self.metrics.cache_config_info.labels(
+            model_name=self.metrics.model_name,
+            kv_cache_dtype=kv_cache_dtype,
+            key_granularity=key_granularity,
+            kv_quant_group=kv_quant_group,
+            block_size=str(block_size),
+        ).set(1)
+        self.stat_logger = StatLogger(self.metrics)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text, or token ids); return its request id.
@@ -220,6 +234,7 @@ class LLMEngine:
                 parent.arrival_time,
             )
             child.append_token(first)
+            child.group_id = parent.group_id
             self._track(child, parent.seq_id)
             status = self.scheduler._stop_status(child, first)
             if status is not None:
@@ -283,8 +298,10 @@ class LLMEngine:
         unfinished = [seq for seq in self._samples.get(request_id, []) if not seq.is_finished]
         if not unfinished:
             raise ValueError(f"abort: no unfinished sequence has id {request_id}")
+        now = time.monotonic()
         for seq in unfinished:
             self.scheduler.abort(seq.seq_id)
+            self.stat_logger.record_finished(seq, "abort", now)
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -311,6 +328,7 @@ class LLMEngine:
             if parent.num_completion_tokens == 1:
                 touched += self._fork_samples(parent, forks[seq_id], firsts)
         outputs = [self._output(seq) for seq in touched]
+        self._record(out, touched, outputs)
         elapsed = time.perf_counter() - started
         manager = self.scheduler.block_manager
         self.stats = {
@@ -324,14 +342,27 @@ class LLMEngine:
             "blocks_swapped_in": len(out.blocks_to_swap_in),
             "blocks_copied": sum(map(len, out.blocks_to_copy.values())),
             "shared_blocks": _shared_blocks(self.scheduler.running),
-            "prefix_cache_queries": getattr(manager, "num_query_tokens", 0),
-            "prefix_cache_hits": getattr(manager, "num_hit_tokens", 0),
+            "prefix_cache_queries": manager.num_query_tokens,
+            "prefix_cache_hits": manager.num_hit_tokens,
             "batched_tokens": out.num_batched_tokens,
             "tokens_per_s": out.num_batched_tokens / elapsed if elapsed else 0.0,
             "step_seconds": elapsed,
             "model_seconds": self.runner.model_seconds,
         }
         return outputs
+
+    def _record(
+        self, out: SchedulerOutput, touched: list[Sequence], outputs: list[RequestOutput]
+    ) -> None:
+        """The step in the metrics (``StatLogger``): the state and events, the tokens gained,
+        the sequences finished."""
+        now = time.monotonic()
+        self.stat_logger.record_step(out, self.scheduler, now)
+        pairs = list(zip(touched, outputs, strict=True))
+        self.stat_logger.record_tokens([seq for seq, o in pairs if o.new_token_ids], now)
+        for seq, output in pairs:
+            if output.finished:
+                self.stat_logger.record_finished(seq, output.finish_reason, now)
 
     def _execute(
         self,
@@ -390,6 +421,11 @@ def _shared_blocks(running: list[Sequence]) -> int:
     """Block-table entries of the running sequences that point at a block another entry holds."""
     held = [block_id for seq in running for block_id in seq.block_table]
     return len(held) - len(set(held))
+
+
+def model_label(model: str | Path | None) -> str:
+    """The ``model_name`` label of the metrics: the checkpoint folder's name, or vkv-tiny."""
+    return "vkv-tiny" if model is None else Path(model).name
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

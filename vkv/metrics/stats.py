@@ -1,0 +1,117 @@
+"""StatLogger: what one engine step did, written into the engine's Prometheus metrics (Phase 5).
+
+The engine calls the logger at three points of every step, after ``Scheduler.postprocess``
+(``LLMEngine.step``; ``now`` is ``time.monotonic()``, the clock of ``Sequence.arrival_time``):
+
+    record_step(out, scheduler, now)    once: the queues and pools as the step left them, and
+                                        the step's events (preemptions, swaps, copies, prefix
+                                        cache lookups)
+    record_tokens(seqs, now)            the sequences that gained a token in this step (one
+                                        each; a parallel sample's first token counts too)
+    record_finished(seq, reason, now)   each sequence that finished: in the step, or aborted
+                                        between steps (``reason`` is the request's
+                                        ``finish_reason``: stop, length, abort, ignored, error)
+
+and the metrics (``EngineMetrics``, ``registry.py``; names without the ``vkv_`` prefix) are:
+
+    gauges       num_requests_running / _waiting / _swapped: the queues' lengths
+                 gpu_cache_usage_perc / cpu_cache_usage_perc: the pools' usage, 0 to 1
+    counters     num_preemptions (per sequence), blocks_swapped_out, blocks_swapped_in,
+                 cow_copies (blocks), prefix_cache_queries, prefix_cache_hits (tokens)
+                 generation_tokens (per token), prompt_tokens (a request's whole prompt, once,
+                 at its first token: recomputing it after a preemption is not a new prompt,
+                 and the other samples of a request, ``seq.group_id != seq.seq_id``, share it)
+                 request_success, labelled finished_reason
+    histograms   time_to_first_token_seconds: first token - arrival
+                 time_per_output_token_seconds: each later token - the sequence's previous one
+                 e2e_request_latency_seconds: finish - arrival
+                 request_prompt_tokens, request_generation_tokens: the lengths at the finish
+
+Every metric carries the ``model_name`` label: ``metrics.<name>.labels(model_name=...)``; use
+``self.labels`` (a dict), and ``self.metrics.request_success.labels(**self.labels,
+finished_reason=reason)``. Prefix-cache lookups are counted by the BlockManager
+(``num_query_tokens``, ``num_hit_tokens``, totals so far; 0 without prefix caching): a step adds
+what they grew by. The logger keeps only what it needs per live sequence (the time of its last
+token) and forgets a sequence when it finishes.
+"""
+
+from vkv.engine.scheduler import Scheduler, SchedulerOutput
+from vkv.engine.sequence import Sequence
+from vkv.metrics.registry import FINISH_REASONS, EngineMetrics
+
+
+class StatLogger:
+    """Writes each step into ``metrics`` (vLLM v1's ``PrometheusStatLogger``, in small parts)."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+        self.labels = {"model_name": metrics.model_name}
+        self.last_token_time: dict[int, float] = {}  # seq id -> when it gained its last token
+        self.query_tokens_seen = 0  # the BlockManager's prefix-cache totals already counted
+        self.hit_tokens_seen = 0
+
+    # -- part 5.1: the step -------------------------------------------------------------------
+
+    def record_step(self, out: SchedulerOutput, scheduler: Scheduler, now: float) -> None:
+        """Set the gauges to the state the step left; add the step's events to the counters:
+        one preemption per sequence in ``out.preempted``, one block per entry of the swap maps,
+        one copy per destination in ``out.blocks_to_copy``, and the growth of the block
+        manager's ``num_query_tokens`` and ``num_hit_tokens`` since the last step."""
+        ### BEGIN SOLUTION part5.1
+        m, labels = self.metrics, self.labels
+        m.num_requests_running.labels(**labels).set(len(scheduler.running))
+        m.num_requests_waiting.labels(**labels).set(len(scheduler.waiting))
+        m.num_requests_swapped.labels(**labels).set(len(scheduler.swapped))
+        manager = scheduler.block_manager
+        m.gpu_cache_usage_perc.labels(**labels).set(manager.gpu_usage)
+        m.cpu_cache_usage_perc.labels(**labels).set(manager.cpu_usage)
+        m.num_preemptions.labels(**labels).inc(len(out.preempted))
+        m.blocks_swapped_out.labels(**labels).inc(len(out.blocks_to_swap_out))
+        m.blocks_swapped_in.labels(**labels).inc(len(out.blocks_to_swap_in))
+        m.cow_copies.labels(**labels).inc(sum(len(dsts) for dsts in out.blocks_to_copy.values()))
+        m.prefix_cache_queries.labels(**labels).inc(
+            manager.num_query_tokens - self.query_tokens_seen
+        )
+        m.prefix_cache_hits.labels(**labels).inc(manager.num_hit_tokens - self.hit_tokens_seen)
+        self.query_tokens_seen = manager.num_query_tokens
+        self.hit_tokens_seen = manager.num_hit_tokens
+        ### END SOLUTION
+
+    # -- part 5.2: tokens ---------------------------------------------------------------------
+
+    def record_tokens(self, seqs: list[Sequence], now: float) -> None:
+        """Each sequence gained one token at ``now``: count it; its first (``num_completion_
+        tokens == 1``) observes the time to first token and counts the prompt (not for a
+        request's other samples: ``seq.group_id != seq.seq_id``); a later one observes the time
+        since the sequence's previous token."""
+        ### BEGIN SOLUTION part5.2
+        m, labels = self.metrics, self.labels
+        for seq in seqs:
+            m.generation_tokens.labels(**labels).inc()
+            if seq.num_completion_tokens == 1:
+                m.time_to_first_token_seconds.labels(**labels).observe(now - seq.arrival_time)
+                if seq.group_id == seq.seq_id:
+                    m.prompt_tokens.labels(**labels).inc(seq.num_prompt_tokens)
+            else:
+                gap = now - self.last_token_time[seq.seq_id]
+                m.time_per_output_token_seconds.labels(**labels).observe(gap)
+            self.last_token_time[seq.seq_id] = now
+        ### END SOLUTION
+
+    # -- part 5.3: finished requests ----------------------------------------------------------
+
+    def record_finished(self, seq: Sequence, reason: str, now: float) -> None:
+        """A sequence finished at ``now`` for ``reason``: count it under that reason, observe its
+        end-to-end latency (from arrival) and its prompt and generation lengths, and forget it.
+        Raises ``ValueError(f"unknown finish reason {reason!r}")`` for a reason not in
+        ``FINISH_REASONS``, recording nothing."""
+        ### BEGIN SOLUTION part5.3
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"unknown finish reason {reason!r}")
+        m, labels = self.metrics, self.labels
+        m.request_success.labels(**labels, finished_reason=reason).inc()
+        m.e2e_request_latency_seconds.labels(**labels).observe(now - seq.arrival_time)
+        m.request_prompt_tokens.labels(**labels).observe(seq.num_prompt_tokens)
+        m.request_generation_tokens.labels(**labels).observe(seq.num_completion_tokens)
+        self.last_token_time.pop(seq.seq_id, None)
+        ### END SOLUTION
