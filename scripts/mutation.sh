@@ -8,7 +8,7 @@
 #                                             `mutmut results`, `mutmut show NAME`
 #
 # [tool.mutmut] in pyproject.toml says what is mutated (vkv/engine/{sequence,block,evictor,
-# block_manager,swapper,scheduler,quantizer,radix_cache}.py) and which tests run (tests/test_phase{1,2,3,4}.py
+# block_manager,swapper,scheduler,quantizer,radix_cache}.py, vkv/metrics/stats.py) and which tests run (tests/test_phase{1,2,3,4,5}.py
 # and tests/hidden/test_phase{1,3,4}_hidden.py; never tests/runtime or tests/instructor).
 #
 # mutmut runs in a staging copy, build/mutation/ (vkv/, tests/, pyproject.toml), never in the

@@ -398,7 +398,7 @@ class CachedPrefixBlockManager(BlockManager):
     computed when it allocates (what prefix caching, Phase 4, does): part 2.1 alone."""
 
     def num_cached_tokens(self, seq: Sequence) -> int:
-        return 8
+        return 8 if seq.num_tokens > 8 else 0
 
     def allocate(self, seq: Sequence) -> None:
         super().allocate(seq)
@@ -1046,6 +1046,43 @@ def test_part2_the_newest_group_is_preempted_together(monkeypatch):
         "expected [[1, 2]] (_pop_newest_group takes it from the back of the queue)"
     )
     assert planned(out) == [(0, 1, False)], f"0 then decodes alone, got {planned(out)}"
+
+
+def test_part2_fork_adds_a_running_sample_after_its_parent():
+    s, _, parent, child = with_a_group()
+    assert child.status is SequenceStatus.RUNNING and ids(s.running) == [0, 1, 2], (
+        f"fork (given) makes the child RUNNING, after its parent; got {child.status.name}, "
+        f"running {ids(s.running)}"
+    )
+    assert (child.group_id, child.num_computed_tokens, child.is_prefill) == (1, 6, False)
+    assert child.block_table == parent.block_table
+
+
+def test_part2_fork_refuses_a_parent_that_is_not_running_or_a_child_that_does_not_fit():
+    s, _old, parent, _ = with_a_group()
+    waiting = make_seq(s, 7, 3)
+    with pytest.raises(ValueError, match=r"^fork: sequence 7 is not running here$"):
+        s.fork(waiting, Sequence(8, waiting.token_ids, 4))
+    for tokens in (parent.token_ids[:6], [*parent.token_ids[:6], 1, 2], [9] * 7):
+        with pytest.raises(ValueError, match=r"^fork: sequence 9 must hold the 6 computed tokens"):
+            s.fork(parent, Sequence(9, tokens, 4))
+    c = chunked(num_gpu_blocks=16, max_num_batched_tokens=16)
+    long = make_seq(c, 0, 40)
+    c.schedule()
+    with pytest.raises(ValueError, match=r"^fork: sequence 3 must hold"):
+        c.fork(long, Sequence(3, long.token_ids[:17], 4))
+
+
+def test_part2_a_recomputed_sample_takes_one_place_again():
+    s, old, _parent, _child = with_a_group("recompute")
+    s.schedule()  # the group is recomputed: both wait, with their tokens
+    s.abort(old.seq_id)
+    s.config.max_num_seqs = 2
+    s.schedule()
+    assert ids(s.running) == [1, 2], (
+        "a parent that has sampled (num_completion_tokens > 0) was forked already: admitted "
+        f"again it takes one place (_seats), so both fit 2 places; got running {ids(s.running)}"
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -259,6 +259,8 @@ def test_part3_an_unknown_reason_is_refused_and_records_nothing():
     with pytest.raises(ValueError, match=r"^unknown finish reason 'done'$"):
         logger.record_finished(seq(1), "done", 102.0)
     got = histogram(metrics, "vkv_e2e_request_latency_seconds")
-    assert got == (0, 0) and 1 in logger.last_token_time, (
-        f"a refused reason records nothing and forgets nothing: got (count, sum) {got}"
+    counted = value(metrics, "vkv_request_success_total", finished_reason="done")
+    assert got == (0, 0) and counted == 0 and 1 in logger.last_token_time, (
+        "a refused reason records nothing (check it before counting) and forgets nothing: got "
+        f"(count, sum) {got}, request_success_total{{finished_reason='done'}} {counted}"
     )

@@ -1,0 +1,74 @@
+"""The engine's metrics on a scripted workload: counters equal what the client saw, and the
+exposition passes ``promtool check metrics`` (Debian's prometheus; ``.ci/run`` installs it)."""
+
+import shutil
+import subprocess
+from collections import Counter
+
+import pytest
+from prometheus_client import generate_latest
+
+from vkv import LLM, SamplingParams
+
+PROMPTS = ["def read(path):\n", "class Stack:\n", "import os\n"] * 3
+
+
+@pytest.fixture(scope="module")
+def served():
+    """Nine prompts (repeated: prefix hits), one with n = 2, in a pool small enough to preempt."""
+    llm = LLM(
+        num_gpu_blocks=6,
+        num_cpu_blocks=8,
+        block_size=4,
+        max_model_len=24,
+        enable_prefix_caching=True,
+    )
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * len(PROMPTS)
+    params[1] = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, n=2, seed=3)
+    results = llm.generate(PROMPTS, params, use_progress=False)
+    return llm.engine, results
+
+
+def value(engine, name: str, **labels) -> float:
+    return engine.metrics.value(name, **labels)
+
+
+def test_token_and_request_counters_equal_what_the_client_got(served):
+    engine, results = served
+    outputs = [o for result in results for o in result["outputs"]]
+    prompt_tokens = sum(len(engine.sequence(i).prompt_token_ids) for i in range(len(PROMPTS)))
+    assert value(engine, "prompt_tokens_total") == prompt_tokens
+    assert value(engine, "generation_tokens_total") == sum(len(o["token_ids"]) for o in outputs)
+    reasons = Counter(o["finish_reason"] for o in outputs)
+    for reason, count in reasons.items():
+        assert value(engine, "request_success_total", finished_reason=reason) == count
+    assert value(engine, "time_to_first_token_seconds_count") == len(outputs)
+    assert value(engine, "e2e_request_latency_seconds_count") == len(outputs)
+
+
+def test_scheduler_and_cache_counters_equal_the_engines_own(served):
+    engine, _ = served
+    manager = engine.scheduler.block_manager
+    assert engine.scheduler.num_preemptions > 0, "the pool is meant to preempt"
+    assert value(engine, "num_preemptions_total") == engine.scheduler.num_preemptions
+    assert value(engine, "prefix_cache_hits_total") == manager.num_hit_tokens > 0
+    assert value(engine, "prefix_cache_queries_total") == manager.num_query_tokens
+    assert value(engine, "cow_copies_total") >= 1, "the two samples share a last block"
+    assert value(engine, "num_requests_running") == value(engine, "num_requests_waiting") == 0
+
+
+def test_an_aborted_request_counts_as_aborted():
+    llm = LLM(num_gpu_blocks=32)
+    engine = llm.engine
+    request = engine.add_request("import os\n", SamplingParams(max_tokens=50, n=2))
+    engine.step()
+    engine.abort(request)
+    assert value(engine, "request_success_total", finished_reason="abort") == 2
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool: apt-get install prometheus")
+def test_the_exposition_passes_promtool(served):
+    engine, _ = served
+    text = generate_latest(engine.metrics.registry)
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
+    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
