@@ -120,6 +120,27 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, console: Console) -> int:
+    import uvicorn
+
+    from vkv.engine.llm_engine import LLMEngine, model_label
+    from vkv.server import chat_template_of, create_app
+
+    engine = LLMEngine(
+        args.model,
+        block_size=args.block_size,
+        kv_cache_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        num_cpu_blocks=args.cpu_blocks,
+        **_kv_cache(args),
+    )
+    app = create_app(engine, model_label(args.model), chat_template_of(args.model))
+    console.print(f"vkv serve: http://{args.host}:{args.port}/v1 (metrics at /metrics)")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _bench(args: argparse.Namespace, console: Console) -> int:
     import json
 
@@ -316,6 +337,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-live", action="store_true", help="print only the summary")
     _kv_cache_options(demo)
     demo.set_defaults(run=_demo)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server, with /metrics")
+    serve.add_argument("--model", help="a checkpoint folder (default: the built-in vkv-tiny)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--kv-budget-mb", type=float, help="device KV cache size (MiB)")
+    serve.add_argument("--cpu-blocks", type=int, default=0, help="the CPU swap pool, in blocks")
+    serve.add_argument("--max-model-len", type=int, default=2048)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    _kv_cache_options(serve)
+    serve.set_defaults(run=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks of the runtime")
     benchmarks = bench.add_subparsers(required=True, metavar="BENCHMARK")

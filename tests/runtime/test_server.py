@@ -1,0 +1,180 @@
+"""``vkv serve`` through the official ``openai`` client, on 127.0.0.1: completions and chat,
+streamed and not, ``n``, ``stop``, ``seed``; bad input gets OpenAI-style errors; a client that
+leaves mid-stream frees its blocks."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from vkv.engine.llm_engine import LLMEngine
+from vkv.server import create_app
+
+MODEL = "vkv-tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LLMEngine(
+        num_gpu_blocks=600, max_model_len=1024, max_num_seqs=16, enable_prefix_caching=True
+    )
+    app = create_app(engine, MODEL)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    yield engine, f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="none", max_retries=0)
+
+
+def idle(engine: LLMEngine, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not engine.has_unfinished_requests() and engine.scheduler.block_manager.gpu_usage == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_completion_with_usage(client, server):
+    result = client.completions.create(
+        model=MODEL, prompt="def f(x):\n", max_tokens=12, temperature=0, seed=1
+    )
+    choice = result.choices[0]
+    assert result.object == "text_completion" and choice.finish_reason == "length"
+    assert result.usage.completion_tokens == 12 and result.usage.prompt_tokens == 10
+    assert choice.text
+
+
+def test_greedy_and_seeded_completions_repeat(client):
+    for options in ({"temperature": 0}, {"temperature": 0.9, "seed": 7}):
+        a, b = (
+            client.completions.create(model=MODEL, prompt="import os\n", max_tokens=16, **options)
+            .choices[0]
+            .text
+            for _ in range(2)
+        )
+        assert a == b
+
+
+def test_a_stream_is_well_formed_and_equals_the_plain_answer(client):
+    plain = (
+        client.completions.create(model=MODEL, prompt="class A:\n", max_tokens=20, temperature=0)
+        .choices[0]
+        .text
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="class A:\n", max_tokens=20, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == plain
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_plain_and_streamed(client):
+    messages = [{"role": "user", "content": "write a function"}]
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
+    )
+    assert plain.object == "chat.completion"
+    assert plain.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == plain.choices[0].message.content
+
+
+def test_n_samples_and_stop_strings(client):
+    result = client.completions.create(
+        model=MODEL, prompt="def g(y):\n", max_tokens=24, n=3, temperature=0.9, seed=3
+    )
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+    assert result.usage.completion_tokens == 3 * 24
+    full = (
+        client.completions.create(model=MODEL, prompt="def h(z):\n", max_tokens=40, temperature=0)
+        .choices[0]
+        .text
+    )
+    stop = full[5:7]
+    cut = client.completions.create(
+        model=MODEL, prompt="def h(z):\n", max_tokens=40, temperature=0, stop=[stop]
+    ).choices[0]
+    assert cut.text == full[: full.find(stop)] and cut.finish_reason == "stop"
+
+
+def test_models_health_and_metrics(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server[1]}/health").json() == {"status": "ok"}
+    metrics = httpx.get(f"{server[1]}/metrics")
+    assert metrics.status_code == 200 and "vkv_generation_tokens_total" in metrics.text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ("{not json", 400, None),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 100_000}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x" * 1100}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "n": 100}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ],
+)
+def test_bad_input_gets_an_openai_error_and_leaves_the_engine_alone(server, body, status, param):
+    engine, url = server
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(
+        f"{url}{path}", content=content, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    assert idle(engine)
+    ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_clients_that_leave_mid_stream_hold_no_blocks(server):
+    engine, url = server
+
+    def leave() -> None:
+        body = {"model": MODEL, "prompt": "def slow():\n", "max_tokens": 1000, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for i, _ in enumerate(response.iter_lines()):
+                if i == 3:
+                    break  # closes the connection mid-stream
+
+    threads = [threading.Thread(target=leave) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert idle(engine), "the requests of clients that left are aborted and their blocks freed"
+    assert engine.metrics.value("request_success_total", finished_reason="abort") >= 8

@@ -1,0 +1,362 @@
+"""``vkv serve``: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn).
+
+One background thread runs the engine: whenever a request is unfinished it calls
+``LLMEngine.step``, so requests from every HTTP client join the running batch as soon as the
+scheduler admits them (continuous batching across clients). Handlers add requests and read
+their outputs from an ``asyncio.Queue`` each; a lock serializes the engine's calls. A client that
+disconnects aborts its request, which frees its blocks at once.
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent
+events with ``"stream": true``; ``n``, ``temperature``, ``top_p``, ``max_tokens``, ``stop``,
+``seed``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the engine's Prometheus
+registry). Bad input gets an OpenAI-style error body, ``{"error": {"message", "type", "param",
+"code"}}``, with status 400 (404 for an unknown model), and the engine is untouched.
+
+Chat prompts: the checkpoint's ``chat_template`` (``tokenizer_config.json``, Jinja) when it has
+one; otherwise, as for vkv-tiny, each message as ``"{role}: {content}\\n"`` followed by
+``"assistant: "``.
+"""
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from vkv.engine.llm_engine import LLMEngine, RequestOutput
+from vkv.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+class RequestError(ValueError):
+    """Bad input: becomes an OpenAI-style error body with this status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code=None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class AsyncEngine:
+    """The engine, stepped by a background thread; requests and their outputs for asyncio."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.work = threading.Event()
+        self.queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="vkv-engine", daemon=True)
+        self.thread.start()
+
+    def add(self, prompt: str | list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
+        """Queue a request; its outputs arrive on the returned queue (``ValueError`` if the
+        engine refuses it)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self.lock:
+            request_id = self.engine.add_request(prompt, params)
+            self.queues[request_id] = (asyncio.get_running_loop(), queue)
+        self.work.set()
+        return request_id, queue
+
+    def abort(self, request_id: int) -> None:
+        """Abort a request if it is unfinished (a client gone, a stop string met)."""
+        with self.lock:
+            self.queues.pop(request_id, None)
+            if any(not s.is_finished for s in self.engine.samples(request_id)):
+                self.engine.abort(request_id)
+
+    def finish(self, request_id: int) -> None:
+        with self.lock:
+            self.queues.pop(request_id, None)
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.work.set()
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self.stopped:
+            self.work.wait()
+            with self.lock:
+                if not self.engine.has_unfinished_requests():
+                    self.work.clear()
+                    continue
+                outputs = self.engine.step()
+                for output in outputs:
+                    target = self.queues.get(output.request_id)
+                    if target is not None:
+                        loop, queue = target
+                        loop.call_soon_threadsafe(queue.put_nowait, output)
+
+
+@dataclass(slots=True)
+class Sample:
+    """What a client has been sent of one of a request's samples."""
+
+    text: str = ""  # what it generated, cut before a stop string
+    sent: int = 0  # how much of ``text`` went to the client
+    tokens: int = 0
+    finish_reason: str | None = None
+
+
+def create_app(engine: LLMEngine, model_name: str, chat_template: str | None = None) -> FastAPI:
+    """The HTTP API over ``engine``; ``app.state.engine`` is its ``AsyncEngine``."""
+    served = AsyncEngine(engine)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        served.stop()
+
+    app = FastAPI(title="vkv serve", lifespan=lifespan)
+    app.state.engine = served
+    created = int(time.time())
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, error: RequestError) -> JSONResponse:
+        return error_response(error)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        model = {"id": model_name, "object": "model", "created": created, "owned_by": "vkv"}
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request, model_name)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("prompt must be a non-empty string", "prompt")
+        return await respond(request, served, body, prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request, model_name)
+        prompt = render_chat(body.get("messages"), chat_template)
+        return await respond(request, served, body, prompt, chat=True)
+
+    return app
+
+
+async def read_body(request: Request, model_name: str) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"the body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    if body.get("model") != model_name:
+        raise RequestError(
+            f"The model `{body.get('model')}` does not exist: this server serves `{model_name}`",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+    return body
+
+
+def sampling_params(body: dict, max_model_len: int) -> tuple[SamplingParams, list[str]]:
+    """The request's sampling options, checked (``RequestError`` names the bad one)."""
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("stop must be a string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
+    max_tokens = body.get("max_tokens", 16)
+    if (
+        isinstance(max_tokens, int)
+        and not isinstance(max_tokens, bool)
+        and (max_tokens > max_model_len)
+    ):
+        raise RequestError(
+            f"max_tokens ({max_tokens}) is more than the model's length ({max_model_len})",
+            "max_tokens",
+        )
+    options = {
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "max_tokens": max_tokens,
+        "n": body.get("n", 1),
+        "seed": body.get("seed"),
+    }
+    try:
+        return SamplingParams(**options), stop
+    except (ValueError, TypeError) as error:
+        param = str(error).split()[0]
+        raise RequestError(str(error), param if param in options else None) from None
+
+
+def render_chat(messages: object, template: str | None) -> str:
+    """The prompt of a chat: the checkpoint's template, or ``role: content`` lines."""
+    valid = isinstance(messages, list) and messages
+    valid = valid and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    )
+    if not valid:
+        raise RequestError(
+            "messages must be a non-empty list of {role, content} strings", "messages"
+        )
+    if template is not None:
+        import jinja2
+
+        return jinja2.Template(template).render(messages=messages, add_generation_prompt=True)
+    lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return lines + "assistant: "
+
+
+async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str, chat: bool):
+    engine = served.engine
+    params, stop = sampling_params(body, engine.config.max_model_len)
+    try:
+        request_id, queue = served.add(prompt, params)
+    except ValueError as error:
+        raise RequestError(str(error), "messages" if chat else "prompt") from None
+    prompt_tokens = engine.sequence(request_id).num_prompt_tokens
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": body["model"],
+    }
+    samples = [Sample() for _ in range(params.n)]
+    events = follow(request, served, request_id, queue, samples, stop)
+    if body.get("stream"):
+        return StreamingResponse(
+            stream(events, head, samples, chat), media_type="text/event-stream"
+        )
+    async for _ in events:
+        pass
+    if any(s.finish_reason is None for s in samples):  # the client left
+        return Response(status_code=499)
+    completion_tokens = sum(s.tokens for s in samples)
+    return {
+        **head,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": [choice(i, s.text, s.finish_reason, chat) for i, s in enumerate(samples)],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+async def follow(
+    request: Request,
+    served: AsyncEngine,
+    request_id: int,
+    queue: asyncio.Queue,
+    samples: list[Sample],
+    stop: list[str],
+) -> AsyncIterator[tuple[int, str]]:
+    """Yield ``(sample index, new text)`` as the engine produces it, until every sample is done;
+    a stop string ends its sample (the text before it is kept; while a sample runs, its last
+    ``len(longest stop) - 1`` characters are held back, as they may begin a stop string); a gone
+    client aborts all."""
+    hold = max(map(len, stop), default=1) - 1
+    done = False
+    try:
+        while not all(s.finish_reason for s in samples):
+            try:
+                output: RequestOutput = await asyncio.wait_for(queue.get(), 0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            sample = samples[output.index]
+            if sample.finish_reason:
+                continue
+            sample.tokens += len(output.new_token_ids)
+            sample.text += output.new_text
+            reason, cut = output.finish_reason, first_stop(sample.text, stop)
+            if cut is not None:
+                sample.text, reason = sample.text[:cut], "stop"
+            if reason is not None:
+                sample.finish_reason = reason
+            ready = len(sample.text) if reason else max(sample.sent, len(sample.text) - hold)
+            if ready > sample.sent:
+                yield output.index, sample.text[sample.sent : ready]
+                sample.sent = ready
+        done = True
+    finally:
+        if done:
+            served.finish(request_id)
+        else:
+            served.abort(request_id)
+        if done and any(s.finish_reason == "stop" for s in samples):
+            served.abort(request_id)
+
+
+def first_stop(text: str, stop: list[str]) -> int | None:
+    """Where the earliest stop string begins in ``text``, or None."""
+    found = [text.find(s) for s in stop]
+    found = [i for i in found if i >= 0]
+    return min(found) if found else None
+
+
+async def stream(events, head: dict, samples: list[Sample], chat: bool) -> AsyncIterator[str]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        for index in range(len(samples)):
+            yield sse({**head, "object": kind, "choices": [delta(index, "", None, True, True)]})
+    try:
+        async for index, text in events:
+            yield sse({**head, "object": kind, "choices": [delta(index, text, None, chat)]})
+    finally:
+        await events.aclose()  # a client that left: its request is aborted now
+    for index, sample in enumerate(samples):
+        last = delta(index, "", sample.finish_reason, chat)
+        yield sse({**head, "object": kind, "choices": [last]})
+    yield "data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def choice(index: int, text: str, reason: str | None, chat: bool) -> dict:
+    if chat:
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "finish_reason": reason}
+    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+
+
+def delta(index: int, text: str, reason: str | None, chat: bool, role: bool = False) -> dict:
+    if chat:
+        content = {"role": "assistant", "content": ""} if role else {"content": text}
+        return {"index": index, "delta": content, "finish_reason": reason}
+    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+
+
+def error_response(error: RequestError) -> JSONResponse:
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    body = {"message": str(error), "type": kind, "param": error.param, "code": error.code}
+    return JSONResponse({"error": body}, status_code=error.status)
+
+
+def chat_template_of(model: str | Path | None) -> str | None:
+    """The checkpoint's Jinja chat template, if its ``tokenizer_config.json`` has one."""
+    if model is None:
+        return None
+    config = Path(model) / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("chat_template")
