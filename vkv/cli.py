@@ -141,6 +141,22 @@ def _serve(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _monitor_init(args: argparse.Namespace, console: Console) -> int:
+    from vkv.metrics.dashboard import write_monitoring
+
+    folder = Path(args.dir)
+    for path in write_monitoring(folder, args.port):
+        console.print(f"wrote {path}")
+    console.print(
+        f"\nStart everything:\n  uv run vkv serve --host 0.0.0.0 --port {args.port}\n"
+        f"  cd {folder} && docker compose up\n"
+        "Grafana: http://localhost:3000 (dashboard 'vkv serve'); Prometheus: "
+        "http://localhost:9090\nWithout Docker: prometheus --config.file=prometheus.yml, with "
+        f"the target changed to 127.0.0.1:{args.port}."
+    )
+    return 0
+
+
 def _bench(args: argparse.Namespace, console: Console) -> int:
     import json
 
@@ -349,6 +365,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=64)
     _kv_cache_options(serve)
     serve.set_defaults(run=_serve)
+
+    monitor = commands.add_parser("monitor", help="Prometheus and Grafana for vkv serve")
+    monitor_commands = monitor.add_subparsers(dest="monitor_command", required=True)
+    init = monitor_commands.add_parser(
+        "init", help="write the dashboard, Grafana provisioning, a Prometheus config, compose.yaml"
+    )
+    init.add_argument("dir")
+    init.add_argument("--port", type=int, default=8000, help="the port vkv serve listens on")
+    init.set_defaults(run=_monitor_init)
 
     bench = commands.add_parser("bench", help="benchmarks of the runtime")
     benchmarks = bench.add_subparsers(required=True, metavar="BENCHMARK")
