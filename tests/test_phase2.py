@@ -6,7 +6,7 @@ per scheduled sequence), ``postprocess(out.scheduled, tokens)``.
 """
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from time import perf_counter
 from typing import ClassVar
 
@@ -1681,6 +1681,16 @@ def test_part4_a_swapped_group_comes_back_whole_or_not_at_all():
         "a token each, and the shared last block is copied on the first write: got "
         f"{out.num_batched_tokens} tokens, copies {out.blocks_to_copy}"
     )
+
+
+def test_part4_a_group_is_found_by_its_group_id_next_to_it():
+    s, old, parent, child = with_a_group("swap")
+    s.postprocess(s.schedule().scheduled, [TOKEN])  # the group is swapped out
+    other = Sequence(5, [1, 2, 3], 4, arrival_time=2.0)
+    assert s._front_group([parent, child, other]) == [parent, child], (
+        "_front_group (given) takes the first sequence and the members of its group after it"
+    )
+    assert s._pop_newest_group(deque([old, parent, child])) == [parent, child]
 
 
 def test_part4_a_swapped_group_that_can_never_come_back_is_ignored_whole():
