@@ -35,6 +35,7 @@ from vkv.engine.llm_engine import LLMEngine, RequestOutput
 from vkv.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+DISCONNECT_CHECK_SECONDS = 0.2  # how often a request asks whether its client is still there
 
 
 class RequestError(ValueError):
@@ -272,14 +273,16 @@ async def follow(
     ``len(longest stop) - 1`` characters are held back, as they may begin a stop string); a gone
     client aborts all."""
     hold = max(map(len, stop), default=1) - 1
-    done = False
+    done, checked = False, time.monotonic()
     try:
         while not all(s.finish_reason for s in samples):
+            if time.monotonic() - checked > DISCONNECT_CHECK_SECONDS:
+                if await request.is_disconnected():
+                    return
+                checked = time.monotonic()
             try:
                 output: RequestOutput = await asyncio.wait_for(queue.get(), 0.5)
             except TimeoutError:
-                if await request.is_disconnected():
-                    return
                 continue
             sample = samples[output.index]
             if sample.finish_reason:

@@ -160,10 +160,10 @@ def test_a_fault_in_decode_fails_the_request_with_what_it_generated(llm, monkeyp
     engine.step()
     execute = engine.runner.execute
 
-    def faulty_execute(scheduled):
+    def faulty_execute(scheduled, more_samples=None):
         if any(item.seq.seq_id == first for item in scheduled):
             raise ValueError("boom")
-        return execute(scheduled)
+        return execute(scheduled, more_samples)
 
     monkeypatch.setattr(engine.runner, "execute", faulty_execute)
     outputs = {output.request_id: output for output in engine.step()}
@@ -179,7 +179,7 @@ def test_a_fault_in_decode_fails_the_request_with_what_it_generated(llm, monkeyp
 def test_a_missing_part_of_the_assignment_is_not_a_request_fault(llm, monkeypatch):
     engine = llm.engine
 
-    def missing_part(scheduled):
+    def missing_part(scheduled, more_samples=None):
         raise NotImplementedError("part 1.3: BlockManager.get_slot_mapping")
 
     monkeypatch.setattr(engine.runner, "execute", missing_part)

@@ -162,19 +162,26 @@ def test_bad_input_gets_an_openai_error_and_leaves_the_engine_alone(server, body
 
 def test_clients_that_leave_mid_stream_hold_no_blocks(server):
     engine, url = server
+    aborted_before = engine.metrics.value("request_success_total", finished_reason="abort")
+    errors: list[BaseException] = []
 
     def leave() -> None:
         body = {"model": MODEL, "prompt": "def slow():\n", "max_tokens": 1000, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            for i, _ in enumerate(response.iter_lines()):
-                if i == 3:
-                    break  # closes the connection mid-stream
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                for i, _ in enumerate(response.iter_lines()):
+                    if i == 3:
+                        break  # closes the connection mid-stream
+        except BaseException as error:  # a thread's failure must fail the test
+            errors.append(error)
 
     threads = [threading.Thread(target=leave) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    assert not errors, errors
     assert idle(engine), "the requests of clients that left are aborted and their blocks freed"
-    assert engine.metrics.value("request_success_total", finished_reason="abort") >= 8
+    aborted = engine.metrics.value("request_success_total", finished_reason="abort")
+    assert aborted - aborted_before == 8, "each request whose client left was aborted"

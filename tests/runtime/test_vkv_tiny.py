@@ -56,7 +56,7 @@ def test_streaming_never_emits_half_a_character(llm, monkeypatch):
     engine = llm.engine
     script = iter("é→!".encode())  # two- and three-byte characters, one byte a step
     monkeypatch.setattr(
-        engine.runner, "execute", lambda scheduled: [next(script) for _ in scheduled]
+        engine.runner, "execute", lambda scheduled, more=None: [next(script) for _ in scheduled]
     )
     engine.add_request("#", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     pieces = []

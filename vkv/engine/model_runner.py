@@ -37,6 +37,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.backend = backend
         self.device = cache_engine.device
+        self.more_tokens: dict[int, list[int]] = {}  # execute's other samples' tokens
         self.model_seconds = 0.0
 
     def prepare(
