@@ -23,9 +23,11 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from queue import SimpleQueue
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,7 +37,7 @@ from vkv.engine.llm_engine import LLMEngine, RequestOutput
 from vkv.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
-DISCONNECT_CHECK_SECONDS = 0.2  # how often a request asks whether its client is still there
+WAIT_SECONDS = 0.2  # the longest a request waits for output before it looks for a gone client
 
 
 class RequestError(ValueError):
@@ -47,56 +49,78 @@ class RequestError(ValueError):
 
 
 class AsyncEngine:
-    """The engine, stepped by a background thread; requests and their outputs for asyncio."""
+    """The engine, owned by one background thread; requests and their outputs for asyncio.
+
+    Handlers never touch the engine nor wait for it: ``add`` and ``abort`` post a command that
+    the engine's thread carries out before its next step (a lock would let the stepping thread
+    starve the event loop), and each request's outputs come back on its ``asyncio.Queue``.
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.lock = threading.Lock()
+        self.commands: SimpleQueue = SimpleQueue()
         self.work = threading.Event()
         self.queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="vkv-engine", daemon=True)
         self.thread.start()
 
-    def add(self, prompt: str | list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
-        """Queue a request; its outputs arrive on the returned queue (``ValueError`` if the
-        engine refuses it)."""
+    async def add(self, prompt: str | list[int], params: SamplingParams):
+        """Queue a request; return its id and the queue its outputs arrive on (``ValueError``
+        if the engine refuses it)."""
         queue: asyncio.Queue = asyncio.Queue()
-        with self.lock:
-            request_id = self.engine.add_request(prompt, params)
-            self.queues[request_id] = (asyncio.get_running_loop(), queue)
-        self.work.set()
-        return request_id, queue
+        done: Future = Future()
+        self._post(("add", prompt, params, asyncio.get_running_loop(), queue, done))
+        return await asyncio.wrap_future(done), queue
 
     def abort(self, request_id: int) -> None:
         """Abort a request if it is unfinished (a client gone, a stop string met)."""
-        with self.lock:
-            self.queues.pop(request_id, None)
-            if any(not s.is_finished for s in self.engine.samples(request_id)):
-                self.engine.abort(request_id)
+        self._post(("abort", request_id))
 
     def finish(self, request_id: int) -> None:
-        with self.lock:
-            self.queues.pop(request_id, None)
+        """Stop delivering a finished request's outputs."""
+        self._post(("forget", request_id))
 
     def stop(self) -> None:
         self.stopped = True
         self.work.set()
         self.thread.join(timeout=5)
 
+    def _post(self, command: tuple) -> None:
+        self.commands.put(command)
+        self.work.set()
+
     def _run(self) -> None:
         while not self.stopped:
-            self.work.wait()
-            with self.lock:
-                if not self.engine.has_unfinished_requests():
-                    self.work.clear()
+            self._carry_out_commands()
+            if not self.engine.has_unfinished_requests():
+                self.work.wait(timeout=1.0)
+                self.work.clear()
+                continue
+            for output in self.engine.step():
+                target = self.queues.get(output.request_id)
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    def _carry_out_commands(self) -> None:
+        while not self.commands.empty():
+            kind, *args = self.commands.get()
+            if kind == "add":
+                prompt, params, loop, queue, done = args
+                try:
+                    request_id = self.engine.add_request(prompt, params)
+                except ValueError as error:
+                    done.set_exception(error)
                     continue
-                outputs = self.engine.step()
-                for output in outputs:
-                    target = self.queues.get(output.request_id)
-                    if target is not None:
-                        loop, queue = target
-                        loop.call_soon_threadsafe(queue.put_nowait, output)
+                self.queues[request_id] = (loop, queue)
+                done.set_result(request_id)
+            elif kind == "abort":
+                self.queues.pop(args[0], None)
+                if any(not s.is_finished for s in self.engine.samples(args[0])):
+                    self.engine.abort(args[0])
+            else:
+                self.queues.pop(args[0], None)
 
 
 @dataclass(slots=True)
@@ -228,7 +252,7 @@ async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str
     engine = served.engine
     params, stop = sampling_params(body, engine.config.max_model_len)
     try:
-        request_id, queue = served.add(prompt, params)
+        request_id, queue = await served.add(prompt, params)
     except ValueError as error:
         raise RequestError(str(error), "messages" if chat else "prompt") from None
     prompt_tokens = engine.sequence(request_id).num_prompt_tokens
@@ -238,13 +262,18 @@ async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str
         "model": body["model"],
     }
     samples = [Sample() for _ in range(params.n)]
-    events = follow(request, served, request_id, queue, samples, stop)
+    gone = asyncio.Event()
+    watcher = asyncio.create_task(watch_disconnect(request, gone))
+    events = follow(gone, served, request_id, queue, samples, stop)
     if body.get("stream"):
         return StreamingResponse(
-            stream(events, head, samples, chat), media_type="text/event-stream"
+            stream(events, head, samples, chat, watcher), media_type="text/event-stream"
         )
-    async for _ in events:
-        pass
+    try:
+        async for _ in events:
+            pass
+    finally:
+        watcher.cancel()
     if any(s.finish_reason is None for s in samples):  # the client left
         return Response(status_code=499)
     completion_tokens = sum(s.tokens for s in samples)
@@ -260,8 +289,17 @@ async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str
     }
 
 
+async def watch_disconnect(request: Request, gone: asyncio.Event) -> None:
+    """Set ``gone`` when the client disconnects (the server's next ASGI message says so)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+            return
+
+
 async def follow(
-    request: Request,
+    gone: asyncio.Event,
     served: AsyncEngine,
     request_id: int,
     queue: asyncio.Queue,
@@ -273,15 +311,13 @@ async def follow(
     ``len(longest stop) - 1`` characters are held back, as they may begin a stop string); a gone
     client aborts all."""
     hold = max(map(len, stop), default=1) - 1
-    done, checked = False, time.monotonic()
+    done = False
     try:
         while not all(s.finish_reason for s in samples):
-            if time.monotonic() - checked > DISCONNECT_CHECK_SECONDS:
-                if await request.is_disconnected():
-                    return
-                checked = time.monotonic()
+            if gone.is_set():
+                return
             try:
-                output: RequestOutput = await asyncio.wait_for(queue.get(), 0.5)
+                output: RequestOutput = await asyncio.wait_for(queue.get(), WAIT_SECONDS)
             except TimeoutError:
                 continue
             sample = samples[output.index]
@@ -315,7 +351,9 @@ def first_stop(text: str, stop: list[str]) -> int | None:
     return min(found) if found else None
 
 
-async def stream(events, head: dict, samples: list[Sample], chat: bool) -> AsyncIterator[str]:
+async def stream(
+    events, head: dict, samples: list[Sample], chat: bool, watcher: asyncio.Task
+) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     if chat:
         for index in range(len(samples)):
@@ -325,6 +363,7 @@ async def stream(events, head: dict, samples: list[Sample], chat: bool) -> Async
             yield sse({**head, "object": kind, "choices": [delta(index, text, None, chat)]})
     finally:
         await events.aclose()  # a client that left: its request is aborted now
+        watcher.cancel()
     for index, sample in enumerate(samples):
         last = delta(index, "", sample.finish_reason, chat)
         yield sse({**head, "object": kind, "choices": [last]})
