@@ -185,3 +185,21 @@ def test_clients_that_leave_mid_stream_hold_no_blocks(server):
     assert idle(engine), "the requests of clients that left are aborted and their blocks freed"
     aborted = engine.metrics.value("request_success_total", finished_reason="abort")
     assert aborted - aborted_before == 8, "each request whose client left was aborted"
+
+
+def test_chat_uses_the_checkpoints_template_when_it_has_one(tmp_path):
+    from vkv.server import chat_template_of, render_chat
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(messages, None) == "user: hi\nassistant: "
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+            }
+        )
+    )
+    template = chat_template_of(tmp_path)
+    assert render_chat(messages, template) == "<|user|>hi<|assistant|>"
+    assert chat_template_of(None) is None
