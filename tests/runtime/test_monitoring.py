@@ -162,6 +162,8 @@ def test_every_panel_returns_data_from_prometheus_scraping_vkv_serve(tmp_path):
                 break
         assert query(prometheus, 'up{job="vkv"} == 1'), "Prometheus scrapes vkv serve"
         assert engine.scheduler.num_preemptions > 0, "the workload is meant to preempt"
+        hits = query(prometheus, "vkv_prefix_cache_hits_total")
+        assert float(hits[0]["value"][1]) > 0, "and to hit the prefix cache"
         for title, (_, queries) in PANELS.items():
             for expr, _ in queries:
                 concrete = expr.replace("$__rate_interval", "10s").replace("$model_name", ".*")
