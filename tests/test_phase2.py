@@ -1073,7 +1073,7 @@ def test_part2_fork_refuses_a_parent_that_is_not_running_or_a_child_that_does_no
         c.fork(long, Sequence(3, long.token_ids[:17], 4))
 
 
-def test_part2_a_recomputed_sample_takes_one_place_again():
+def test_part3_a_recomputed_sample_takes_one_place_again():
     s, old, _parent, _child = with_a_group("recompute")
     s.schedule()  # the group is recomputed: both wait, with their tokens
     s.abort(old.seq_id)

@@ -228,7 +228,7 @@ def test_part3_a_finished_request_counts_under_its_reason():
 
 def test_part3_the_latency_and_the_lengths_are_observed():
     logger, metrics = make_logger()
-    logger.record_tokens([seq(1, prompt=20, completion=1, arrival=100.0)], 101.0)
+    logger.last_token_time[1] = 101.0  # its last token came at 101.0 (part 5.2 records it)
     logger.record_finished(seq(1, prompt=20, completion=7, arrival=100.0), "stop", 103.5)
     logger.record_finished(seq(2, prompt=40, completion=3, arrival=101.0), "length", 102.0)
     got = [
@@ -245,7 +245,7 @@ def test_part3_the_latency_and_the_lengths_are_observed():
 
 def test_part3_a_finished_sequence_is_forgotten():
     logger, _ = make_logger()
-    logger.record_tokens([seq(1), seq(2)], 101.0)
+    logger.last_token_time.update({1: 101.0, 2: 101.0})  # what part 5.2 remembers
     logger.record_finished(seq(1, completion=1), "stop", 102.0)
     assert 1 not in logger.last_token_time and 2 in logger.last_token_time, (
         "record_finished forgets the sequence (last_token_time holds only live ones), got "
@@ -255,7 +255,7 @@ def test_part3_a_finished_sequence_is_forgotten():
 
 def test_part3_an_unknown_reason_is_refused_and_records_nothing():
     logger, metrics = make_logger()
-    logger.record_tokens([seq(1)], 101.0)
+    logger.last_token_time[1] = 101.0
     with pytest.raises(ValueError, match=r"^unknown finish reason 'done'$"):
         logger.record_finished(seq(1), "done", 102.0)
     got = histogram(metrics, "vkv_e2e_request_latency_seconds")

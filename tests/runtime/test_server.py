@@ -192,14 +192,9 @@ def test_chat_uses_the_checkpoints_template_when_it_has_one(tmp_path):
 
     messages = [{"role": "user", "content": "hi"}]
     assert render_chat(messages, None) == "user: hi\nassistant: "
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-            }
-        )
-    )
+    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    template += "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     template = chat_template_of(tmp_path)
     assert render_chat(messages, template) == "<|user|>hi<|assistant|>"
     assert chat_template_of(None) is None
