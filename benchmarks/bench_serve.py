@@ -20,9 +20,7 @@ import argparse
 import json
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -30,13 +28,12 @@ from pathlib import Path
 
 import httpx
 import openai
-import uvicorn
 from rich.console import Console
 from rich.table import Table
 
 from vkv.engine.llm_engine import LLMEngine
-from vkv.metrics.dashboard import PANELS
-from vkv.server import create_app
+from vkv.metrics.dashboard import PANELS, start_prometheus
+from vkv.server import free_port, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "vkv-tiny"
@@ -46,43 +43,6 @@ PROMPTS = [
     "import os\nimport sys\n\n\ndef main():\n",
     "    for line in lines:\n        if not line.strip():\n",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(engine: LLMEngine) -> tuple[uvicorn.Server, str]:
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=port, log_level="error")
-    )
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, f"http://127.0.0.1:{port}"
-
-
-def start_prometheus(target: str, folder: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    config = folder / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: vkv\n"
-        f"    static_configs: [{{targets: ['{target}']}}]\n"
-    )
-    process = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={folder / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    return process, f"http://127.0.0.1:{port}"
 
 
 def client(url: str, worker: int, until: float, records: list, lock: threading.Lock) -> None:
@@ -148,9 +108,10 @@ def run(clients: int, seconds: float, render: Path | None) -> dict:
         max_num_seqs=32,
         enable_prefix_caching=True,
     )
-    server, url = start_server(engine)
+    server, url = serve_in_thread(engine, MODEL)
     folder = Path(tempfile.mkdtemp())
-    prometheus = start_prometheus(url.removeprefix("http://"), folder) if render else None
+    target = url.removeprefix("http://")
+    prometheus = start_prometheus(target, folder, free_port()) if render else None
     records: list[dict] = []
     lock = threading.Lock()
     started = time.monotonic()

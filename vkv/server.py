@@ -19,6 +19,7 @@ one; otherwise, as for vkv-tiny, each message as ``"{role}: {content}\\n"`` foll
 
 import asyncio
 import json
+import socket
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -402,3 +404,24 @@ def chat_template_of(model: str | Path | None) -> str | None:
     if not config.is_file():
         return None
     return json.loads(config.read_text()).get("chat_template")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def serve_in_thread(engine: LLMEngine, model_name: str) -> tuple[uvicorn.Server, str]:
+    """Serve ``engine`` on a free port of 127.0.0.1 from a daemon thread (tests, benchmarks,
+    notebooks); returns the server (``server.should_exit = True`` stops it) and its URL."""
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(engine, model_name), host="127.0.0.1", port=port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, name="vkv-serve", daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}"

@@ -18,12 +18,10 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
-from test_server import free_port
 
 from vkv.engine.llm_engine import LLMEngine
-from vkv.metrics.dashboard import PANELS, build_dashboard, write_monitoring
-from vkv.server import create_app
+from vkv.metrics.dashboard import PANELS, build_dashboard, start_prometheus, write_monitoring
+from vkv.server import free_port, serve_in_thread
 
 MODEL = "vkv-tiny"
 HAVE_PROMETHEUS = bool(shutil.which("prometheus") and shutil.which("promtool"))
@@ -101,33 +99,13 @@ def test_every_panel_returns_data_from_prometheus_scraping_vkv_serve(tmp_path):
         max_num_seqs=8,
         enable_prefix_caching=True,
     )
-    port, prom_port = free_port(), free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=port, log_level="warning")
-    )
-    threading.Thread(target=server.run, daemon=True).start()
-    config = tmp_path / "prometheus.yml"
-    target = f"127.0.0.1:{port}"
-    config.write_text(
-        "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: vkv\n"
-        f"    static_configs: [{{targets: ['{target}']}}]\n"
-    )
-    prom = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{prom_port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    prometheus = f"http://127.0.0.1:{prom_port}"
+    server, url = serve_in_thread(engine, MODEL)
+    prom, prometheus = start_prometheus(url.removeprefix("http://"), tmp_path, free_port())
     usage = {"prompt": 0, "completion": 0, "samples": 0}
     lock, stop = threading.Lock(), threading.Event()
 
     def client(worker: int) -> None:
-        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
         prompts = ["def parse(text):\n    ", "class Config:\n    def __init__(self):\n"]
         i = 0
         while not stop.is_set():
@@ -146,8 +124,6 @@ def test_every_panel_returns_data_from_prometheus_scraping_vkv_serve(tmp_path):
             i += 1
 
     try:
-        while not server.started:
-            time.sleep(0.05)
         workers = [threading.Thread(target=client, args=(w,)) for w in range(6)]
         for worker in workers:
             worker.start()

@@ -3,25 +3,17 @@ streamed and not, ``n``, ``stop``, ``seed``; bad input gets OpenAI-style errors;
 leaves mid-stream frees its blocks."""
 
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from vkv.engine.llm_engine import LLMEngine
-from vkv.server import create_app
+from vkv.server import serve_in_thread
 
 MODEL = "vkv-tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +21,9 @@ def server():
     engine = LLMEngine(
         num_gpu_blocks=600, max_model_len=1024, max_num_seqs=16, enable_prefix_caching=True
     )
-    app = create_app(engine, MODEL)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{port}"
+    uv, url = serve_in_thread(engine, MODEL)
+    yield engine, url
     uv.should_exit = True
-    thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

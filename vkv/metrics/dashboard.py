@@ -10,6 +10,7 @@ that scraped a real server.
 """
 
 import json
+import subprocess
 from pathlib import Path
 
 from grafana_foundation_sdk.builders import dashboard, prometheus, timeseries
@@ -208,3 +209,24 @@ def write_monitoring(folder: Path, port: int = 8000) -> list[Path]:
         path.write_text(text)
         written.append(path)
     return written
+
+
+def start_prometheus(target: str, folder: Path, port: int) -> tuple[subprocess.Popen, str]:
+    """Debian's ``prometheus`` on 127.0.0.1:``port``, scraping ``target`` (host:port) every
+    second, its data in ``folder`` (checks and pictures; ``terminate()`` the process)."""
+    config = folder / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: vkv\n"
+        f"    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    process = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return process, f"http://127.0.0.1:{port}"
