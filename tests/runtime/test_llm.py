@@ -3,6 +3,7 @@
 import json
 import random
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -234,3 +235,42 @@ def test_a_damaged_checkpoint_is_one_clear_error_naming_the_file(
     assert main(["generate", "def", "--model", str(broken), "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert said in " ".join(err.split()) and "Traceback" not in err, err
+
+
+def byte_fallback_tokenizer():
+    """A Llama-style tokenizer: SentencePiece spaces (▁), and bytes for what the vocabulary
+    lacks (``<0xE2>`` ...), so that one character can take several tokens."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for word in ("▁", "▁def", "▁f", "(x", "):", "▁return", "x", "▁+", "1"):
+        vocab[word] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return tokenizer, vocab
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_incremental_detokenizing_adds_up_to_the_text_with_byte_fallback(seed):
+    from vkv.engine.llm_engine import Detokenized
+
+    tokenizer, vocab = byte_fallback_tokenizer()
+    words = [i for name, i in vocab.items() if not name.startswith("<")]
+    euro = [vocab["<0xE2>"], vocab["<0x82>"], vocab["<0xAC>"]]  # "€", three byte tokens
+    rng = random.Random(seed)
+    tokens = []
+    for _ in range(12):
+        tokens += euro if rng.random() < 0.3 else [rng.choice(words)]
+    engine = SimpleNamespace(tokenizer=tokenizer)
+    engine.decode = lambda ids: LLMEngine.decode(engine, ids)
+    state, pieces = Detokenized(), []
+    for end in range(1, len(tokens) + 1):
+        piece = LLMEngine._new_text(engine, state, tokens[:end], end == len(tokens))
+        assert "\ufffd" not in piece, f"half a character streamed: {piece!r}"
+        pieces.append(piece)
+    assert "".join(pieces) == tokenizer.decode(tokens)

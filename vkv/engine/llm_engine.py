@@ -165,7 +165,7 @@ class LLMEngine:
         self._requests: dict[int, Sequence] = {}  # sequence id -> sequence, samples included
         self._samples: dict[int, list[Sequence]] = {}  # request id -> its samples, by index
         self._sample_of: dict[int, tuple[int, int]] = {}  # sequence id -> (request id, index)
-        self._streamed: dict[int, tuple[int, str]] = {}  # tokens and text already returned
+        self._streamed: dict[int, Detokenized] = {}  # what each sequence has returned
         self._errors: dict[int, str] = {}  # sequence id -> why it failed
         self._more_tokens: dict[int, list[int]] = {}  # this step's other samples' first tokens
         self._next_id = 0
@@ -201,7 +201,7 @@ class LLMEngine:
         self._sample_of[seq.seq_id] = (request_id, len(samples))
         samples.append(seq)
         self._requests[seq.seq_id] = seq
-        self._streamed[seq.seq_id] = (0, "")
+        self._streamed[seq.seq_id] = Detokenized()
         self._next_id = max(self._next_id, seq.seq_id + 1)
 
     def _forks_due(self, scheduled: list[ScheduledSequence]) -> dict[int, list[SamplingParams]]:
@@ -396,16 +396,14 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = seq.completion_token_ids
         error = self._errors.get(seq.seq_id)
-        sent, previous = self._streamed[seq.seq_id]
-        text = self.decode(completion)
-        if not seq.is_finished:  # wait for a character's last byte (one U+FFFD per byte, or one)
-            text = text.rstrip(INCOMPLETE_CHARACTER)
-        self._streamed[seq.seq_id] = (len(completion), text)
+        state = self._streamed[seq.seq_id]
+        sent, new_text = state.sent, self._new_text(state, completion, seq.is_finished)
+        state.sent = len(completion)
         request_id, index = self._sample_of[seq.seq_id]
         return RequestOutput(
             request_id=request_id,
             index=index,
-            new_text=text[len(previous) :],
+            new_text=new_text,
             new_token_ids=completion[sent:],
             token_ids=completion,
             finished=seq.is_finished,
@@ -413,8 +411,30 @@ class LLMEngine:
             error=error,
         )
 
+    def _new_text(self, state: "Detokenized", tokens: list[int], finished: bool) -> str:
+        """The text the tokens past ``state.read_offset`` add (vLLM's incremental detokenizer):
+        decode a window from ``prefix_offset`` (a few tokens of context, so that a tokenizer's
+        spacing comes out as in the whole) with and without them, and return the difference.
+        While the sequence runs, text that ends in U+FFFD waits: a character's last bytes are
+        still to come. Costs O(new tokens) a step, not O(all tokens)."""
+        before = self.decode(tokens[state.prefix_offset : state.read_offset])
+        after = self.decode(tokens[state.prefix_offset :])
+        if len(after) <= len(before) or (after.endswith(INCOMPLETE_CHARACTER) and not finished):
+            return ""
+        state.prefix_offset, state.read_offset = state.read_offset, len(tokens)
+        return after[len(before) :]
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+
+@dataclass(slots=True)
+class Detokenized:
+    """What a sequence has returned: tokens (``sent``) and text (through ``read_offset``)."""
+
+    sent: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
 
 
 def _shared_blocks(running: list[Sequence]) -> int:
