@@ -1,8 +1,10 @@
 """``vkv bench e2e``: vkv against ``transformers``' ``generate`` on the same requests and weights.
 
 One run serves the same requests (mixed prompt and output lengths, greedy, ``ignore_eos``) through
-both systems, ``repeat`` times each, interleaved; the fastest run of each is reported (on a
-shared machine other work only ever slows a run down):
+both systems, ``repeat`` times each, interleaved; reported are the fastest run of each (on a
+shared machine other work only ever slows a run down) and, over the rounds (one run of each),
+the median of the per-round ratios with its lowest and highest, the spread that a noisy machine
+puts on one figure:
 
 - **vkv**: every request is added at once; continuous batching keeps up to ``max_num_seqs``
   sequences running and a finished one's place is taken at the next step;
@@ -14,10 +16,12 @@ Both count only the output tokens the requests asked for. Besides the throughput
 ratio, the run reports the share of vkv's step time spent outside the model's forward
 (scheduling, block management, input preparation, sampling, detokenization) over the decode steps
 of ``max_num_seqs`` sequences, and how many completions the two produced identically.
-Prompts are windows of this package's own source bytes, so nothing is downloaded.
+Prompts are windows of ``e2e_corpus.txt``, a pinned copy of two of this package's modules as they
+were on 2026-12-01, so that nothing is downloaded and the figures compare across commits.
 """
 
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +31,8 @@ import torch
 from vkv.engine.llm_engine import LLMEngine
 from vkv.models.loader import DEFAULT_MODEL
 from vkv.sampling_params import SamplingParams
+
+CORPUS = Path(__file__).with_name("e2e_corpus.txt")
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,9 +49,8 @@ class Workload:
         output_lens: tuple[int, int] = (16, 256),
         seed: int = 0,
     ) -> "Workload":
-        """Windows of vkv's own source text, lengths uniform in the two ranges."""
-        text = "\n".join(p.read_text() for p in sorted(Path(__file__).parent.rglob("*.py")))
-        ids = tokenize(text)
+        """Windows of the pinned corpus (``CORPUS``), lengths uniform in the two ranges."""
+        ids = tokenize(CORPUS.read_text())
         rng = random.Random(seed)
         prompts = []
         for _ in range(num_requests):
@@ -68,7 +73,10 @@ class E2EResult:
     vkv_tokens_per_s: float
     hf_seconds: float
     hf_tokens_per_s: float
-    speedup: float
+    speedup: float  # fastest against fastest
+    speedup_median: float  # the median of the rounds' ratios
+    speedup_min: float
+    speedup_max: float
     vkv_steps: int
     overhead_share: float
     overhead_share_full_batch: float
@@ -157,7 +165,8 @@ def run_e2e(
     repeat: int = 5,
 ) -> E2EResult:
     """Both systems on the same workload, warmed up first, on this process's CPU threads;
-    ``repeat`` interleaved runs of each, and the fastest run of each is reported."""
+    ``repeat`` interleaved rounds (a run of each): the fastest run of each, and the median,
+    lowest and highest of the rounds' ratios."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -183,6 +192,7 @@ def run_e2e(
         hf_runs.append(run_transformers(hf, workload, hf_batch, pad))
     ours = min(vkv_runs, key=lambda run: run.seconds)
     hf_seconds, hf_out = min(hf_runs)
+    ratios = [hf[0] / run.seconds for run, hf in zip(vkv_runs, hf_runs, strict=True)]
     tokens = workload.output_tokens
     return E2EResult(
         requests=num_requests,
@@ -193,6 +203,9 @@ def run_e2e(
         hf_seconds=hf_seconds,
         hf_tokens_per_s=tokens / hf_seconds,
         speedup=hf_seconds / ours.seconds,
+        speedup_median=statistics.median(ratios),
+        speedup_min=min(ratios),
+        speedup_max=max(ratios),
         vkv_steps=len(ours.steps),
         overhead_share=ours.overhead_share(),
         overhead_share_full_batch=ours.overhead_share(max_num_seqs),

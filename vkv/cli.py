@@ -189,7 +189,12 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     )
     console.print(table)
     console.print(
-        f"speedup {result.speedup:.2f}x; step time outside the model: "
+        f"speedup {result.speedup:.2f}x (fastest runs); over the {result.repeat} rounds: "
+        f"median {result.speedup_median:.2f}x, from {result.speedup_min:.2f}x to "
+        f"{result.speedup_max:.2f}x"
+    )
+    console.print(
+        f"step time outside the model: "
         f"{result.overhead_share_full_batch:.1%} at {result.max_num_seqs} running "
         f"({result.full_batch_steps} steps), {result.overhead_share:.1%} over all "
         f"{result.vkv_steps} steps; identical completions "

@@ -114,6 +114,7 @@ def test_bench_e2e_compares_like_with_like():
     )
     assert result.identical_completions == 6
     assert 0.0 <= result.overhead_share < 1.0
+    assert result.speedup_min <= result.speedup_median <= result.speedup_max
 
 
 def test_both_sides_of_the_benchmark_generate_past_eos():
