@@ -16,8 +16,10 @@ Both count only the output tokens the requests asked for. Besides the throughput
 ratio, the run reports the share of vkv's step time spent outside the model's forward
 (scheduling, block management, input preparation, sampling, detokenization) over the decode steps
 of ``max_num_seqs`` sequences, and how many completions the two produced identically.
-Prompts are windows of ``e2e_corpus.txt``, a pinned copy of two of this package's modules as they
-were on 2026-12-01, so that nothing is downloaded and the figures compare across commits.
+Prompts are windows of ``e2e_corpus.txt``, a pinned copy of four of this package's given modules
+(the engine, cache engine, model runner and simulator as they were on 2026-12-01; no graded code,
+which the student edition must not contain), so that nothing is downloaded and the figures
+compare across commits.
 """
 
 import random
