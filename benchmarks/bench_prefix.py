@@ -193,8 +193,9 @@ def serve_engine(name: str, waves: list[list[list[int]]], caching: bool) -> dict
             stats, steps = engine.stats, steps + 1
             computed += int(stats["batched_tokens"])
             used = stats["gpu_kv_usage"] * engine.config.num_gpu_blocks
-            if stats["shared_blocks"]:
-                saving.append(stats["shared_blocks"] / (used + stats["shared_blocks"]))
+            shared = engine.shared_blocks()
+            if shared:
+                saving.append(shared / (used + shared))
         histories = [engine.sequence(i).token_ids for i in ids]
     seconds = time.perf_counter() - started
     generated = sum(len(engine.sequence(i).completion_token_ids) for i in engine._samples)

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vkv.engine.llm_engine import LLMEngine
-from vkv.metrics.dashboard import PANELS, start_prometheus
+from vkv.metrics.dashboard import PANELS, concrete, start_prometheus
 from vkv.server import free_port, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,10 +186,9 @@ def draw_dashboard(prometheus: str, start: float, end: float, path: Path) -> Non
     fig, axes = plt.subplots(rows, 2, figsize=(14, 2.6 * rows), sharex=True)
     for ax, (title, (unit, queries)) in zip(axes.flat, PANELS.items(), strict=False):
         for expr, legend in queries:
-            concrete = expr.replace("$__rate_interval", "10s").replace("$model_name", ".*")
             response = httpx.get(
                 f"{prometheus}/api/v1/query_range",
-                params={"query": concrete, "start": t0, "end": t1, "step": 2},
+                params={"query": concrete(expr), "start": t0, "end": t1, "step": 2},
                 timeout=30,
             ).json()
             for series in response["data"]["result"]:

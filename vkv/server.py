@@ -75,13 +75,10 @@ class AsyncEngine:
         self._post(("add", prompt, params, asyncio.get_running_loop(), queue, done))
         return await asyncio.wrap_future(done), queue
 
-    def abort(self, request_id: int) -> None:
-        """Abort a request if it is unfinished (a client gone, a stop string met)."""
-        self._post(("abort", request_id))
-
-    def finish(self, request_id: int) -> None:
-        """Stop delivering a finished request's outputs."""
-        self._post(("forget", request_id))
+    def release(self, request_id: int) -> None:
+        """Stop delivering a request's outputs, and abort what of it is unfinished (its client
+        left, or a stop string ended it)."""
+        self._post(("release", request_id))
 
     def stop(self) -> None:
         self.stopped = True
@@ -117,12 +114,10 @@ class AsyncEngine:
                     continue
                 self.queues[request_id] = (loop, queue)
                 done.set_result(request_id)
-            elif kind == "abort":
+            else:
                 self.queues.pop(args[0], None)
                 if any(not s.is_finished for s in self.engine.samples(args[0])):
                     self.engine.abort(args[0])
-            else:
-                self.queues.pop(args[0], None)
 
 
 @dataclass(slots=True)
@@ -313,7 +308,6 @@ async def follow(
     ``len(longest stop) - 1`` characters are held back, as they may begin a stop string); a gone
     client aborts all."""
     hold = max(map(len, stop), default=1) - 1
-    done = False
     try:
         while not all(s.finish_reason for s in samples):
             if gone.is_set():
@@ -326,8 +320,9 @@ async def follow(
             if sample.finish_reason:
                 continue
             sample.tokens += len(output.new_token_ids)
+            start = max(0, len(sample.text) - hold)  # a stop string may begin in held-back text
             sample.text += output.new_text
-            reason, cut = output.finish_reason, first_stop(sample.text, stop)
+            reason, cut = output.finish_reason, first_stop(sample.text, stop, start)
             if cut is not None:
                 sample.text, reason = sample.text[:cut], "stop"
             if reason is not None:
@@ -336,19 +331,13 @@ async def follow(
             if ready > sample.sent:
                 yield output.index, sample.text[sample.sent : ready]
                 sample.sent = ready
-        done = True
     finally:
-        if done:
-            served.finish(request_id)
-        else:
-            served.abort(request_id)
-        if done and any(s.finish_reason == "stop" for s in samples):
-            served.abort(request_id)
+        served.release(request_id)
 
 
-def first_stop(text: str, stop: list[str]) -> int | None:
-    """Where the earliest stop string begins in ``text``, or None."""
-    found = [text.find(s) for s in stop]
+def first_stop(text: str, stop: list[str], start: int = 0) -> int | None:
+    """Where the earliest stop string begins in ``text`` at or after ``start``, or None."""
+    found = [text.find(s, start) for s in stop]
     found = [i for i in found if i >= 0]
     return min(found) if found else None
 
@@ -364,7 +353,7 @@ async def stream(
         async for index, text in events:
             yield sse({**head, "object": kind, "choices": [delta(index, text, None, chat)]})
     finally:
-        await events.aclose()  # a client that left: its request is aborted now
+        await events.aclose()  # a client that left: its request is released now
         watcher.cancel()
     for index, sample in enumerate(samples):
         last = delta(index, "", sample.finish_reason, chat)

@@ -20,7 +20,13 @@ import openai
 import pytest
 
 from vkv.engine.llm_engine import LLMEngine
-from vkv.metrics.dashboard import PANELS, build_dashboard, start_prometheus, write_monitoring
+from vkv.metrics.dashboard import (
+    PANELS,
+    build_dashboard,
+    concrete,
+    start_prometheus,
+    write_monitoring,
+)
 from vkv.server import free_port, serve_in_thread
 
 MODEL = "vkv-tiny"
@@ -142,11 +148,10 @@ def test_every_panel_returns_data_from_prometheus_scraping_vkv_serve(tmp_path):
         assert float(hits[0]["value"][1]) > 0, "and to hit the prefix cache"
         for title, (_, queries) in PANELS.items():
             for expr, _ in queries:
-                concrete = expr.replace("$__rate_interval", "10s").replace("$model_name", ".*")
-                result = query(prometheus, concrete)
-                assert result, f"{title}: {concrete} returned no series"
+                result = query(prometheus, concrete(expr))
+                assert result, f"{title}: {concrete(expr)} returned no series"
                 values = [float(series["value"][1]) for series in result]
-                assert all(math.isfinite(v) for v in values), f"{title}: {concrete} -> {values}"
+                assert all(math.isfinite(v) for v in values), f"{title}: {expr} -> {values}"
         stop.set()
         for worker in workers:
             worker.join(timeout=60)

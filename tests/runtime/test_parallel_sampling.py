@@ -14,7 +14,7 @@ def run(engine: LLMEngine) -> list[dict]:
     stats = []
     while engine.has_unfinished_requests():
         engine.step()
-        stats.append(dict(engine.stats))
+        stats.append({**engine.stats, "shared_blocks": engine.shared_blocks()})
     return stats
 
 

@@ -288,6 +288,12 @@ class LLMEngine:
         sees them."""
         return self._requests[request_id]
 
+    def shared_blocks(self) -> int:
+        """Block-table entries of the running sequences served by a block another entry holds:
+        the blocks sharing saves now (computed on demand: it walks every table)."""
+        held = [block_id for seq in self.scheduler.running for block_id in seq.block_table]
+        return len(held) - len(set(held))
+
     def samples(self, request_id: int) -> list[Sequence]:
         """The sequences of a request's samples so far, by index (n > 1: the others are forked
         once the prompt is computed)."""
@@ -311,11 +317,9 @@ class LLMEngine:
 
         ``stats`` then holds the queues (running, waiting, swapped), the KV usage of each pool,
         the preemptions so far, the blocks this step swapped out and in and copied on write,
-        the block references the running sequences save by sharing (``shared_blocks``: table
-        entries less distinct blocks), the prompt tokens queried in the prefix cache and hit
-        so far (first admissions only; 0 without prefix caching), its batched tokens and tokens
-        per second, and its wall time with the model's part of it (step_seconds,
-        model_seconds).
+        the prompt tokens queried in the prefix cache and hit so far (first admissions only; 0
+        without prefix caching), its batched tokens and tokens per second, and its wall time
+        with the model's part of it (step_seconds, model_seconds).
         """
         started = time.perf_counter()
         out = self.scheduler.schedule()
@@ -341,7 +345,6 @@ class LLMEngine:
             "blocks_swapped_out": len(out.blocks_to_swap_out),
             "blocks_swapped_in": len(out.blocks_to_swap_in),
             "blocks_copied": sum(map(len, out.blocks_to_copy.values())),
-            "shared_blocks": _shared_blocks(self.scheduler.running),
             "prefix_cache_queries": manager.num_query_tokens,
             "prefix_cache_hits": manager.num_hit_tokens,
             "batched_tokens": out.num_batched_tokens,
@@ -435,12 +438,6 @@ class Detokenized:
     sent: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
-
-
-def _shared_blocks(running: list[Sequence]) -> int:
-    """Block-table entries of the running sequences that point at a block another entry holds."""
-    held = [block_id for seq in running for block_id in seq.block_table]
-    return len(held) - len(set(held))
 
 
 def model_label(model: str | Path | None) -> str:

@@ -22,6 +22,12 @@ WINDOW = "$__rate_interval"
 M = 'model_name=~"$model_name"'
 
 
+def concrete(expr: str, window: str = "10s") -> str:
+    """A panel's query as Prometheus alone runs it: the rate window for ``$__rate_interval``
+    (at least 4 scrapes) and every model for ``$model_name``."""
+    return expr.replace(WINDOW, window).replace("$model_name", ".*")
+
+
 def quantiles(metric: str, qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
     expr = f"sum by(le)(rate({metric}_bucket{{{M}}}[{WINDOW}]))"
     return [(f"histogram_quantile({q}, {expr})", f"p{round(q * 100)}") for q in qs]
