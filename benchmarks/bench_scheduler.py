@@ -1,23 +1,37 @@
 """Host-side cost of the scheduler: the schedule / postprocess loop alone, no model.
 
 The nano-vLLM benchmark trace (512 sequences, prompts and outputs uniform in 100..1024 tokens,
-all at once) runs to the end with a stand-in token, on a KV pool of 1,048,576 tokens at block
-sizes 16 and 256 (no preemption) and on a pool of 131,072 tokens (preemptions). Reported per
-configuration: steps, preemptions, microseconds per step and per scheduled sequence (the time
-of ``schedule`` + ``postprocess``; the loop does nothing else), and the ratio to the first row.
+all at once, every generated token the same stand-in) runs to the end on six configurations:
+block sizes 16 and 256, KV pools of 1,048,576 tokens (no preemption), 131,072 and 40,960 tokens
+(preemption by recompute). The budgets are nano-vLLM's defaults (512 sequences, 16,384 tokens a
+step), the watermark 0 and chunked prefill off, as in nano-vLLM. Timed: ``schedule`` plus
+``postprocess``, the whole loop (nothing else runs in it).
 
-    uv run python benchmarks/bench_scheduler.py [--seqs N] [--repeat R] [--out DIR]
+vkv runs twice, with prefix caching off and on. With ``--vs-nano-vllm PATH`` (a nano-vLLM
+checkout: ``git clone https://github.com/GeeeekExplorer/nano-vllm PATH``; nothing of it is
+copied here) nano-vLLM's own ``Scheduler``, ``BlockManager`` and ``Sequence`` run the same trace
+in this process, interleaved with vkv's runs round by round; the table gives each side's median
+loop time, the steps and preemptions of each (equal numbers: the same schedule) and the ratio
+vkv / nano-vLLM. nano-vLLM always caches prefixes (it hashes every full block); its modules
+import ``xxhash``, ``numpy`` and ``transformers``, all in this project's dev environment.
+
+    uv run python benchmarks/bench_scheduler.py [--vs-nano-vllm PATH] [--rounds 5] [--seqs 512]
 """
 
 import argparse
+import gc
+import importlib
 import json
+import statistics
+import sys
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import track
 from rich.table import Table
-from workloads import nanovllm_trace
+from workloads import Request, nanovllm_trace
 
 from vkv.config import Config
 from vkv.engine.scheduler import Scheduler
@@ -25,68 +39,187 @@ from vkv.engine.simulator import STAND_IN_TOKEN, make_sequences
 
 CONFIGS = [
     ("1M tokens, block 16", 16, 1 << 20),
-    ("1M tokens, block 256", 256, 1 << 20),
     ("128K tokens, block 16", 16, 1 << 17),
+    ("40K tokens, block 16", 16, 40_960),
+    ("1M tokens, block 256", 256, 1 << 20),
     ("128K tokens, block 256", 256, 1 << 17),
+    ("40K tokens, block 256", 256, 40_960),
 ]
+MAX_NUM_SEQS = 512
+MAX_NUM_BATCHED_TOKENS = 16_384
 
 
-def run_once(block_size: int, pool_tokens: int, num_seqs: int) -> dict:
+def run_once(
+    block_size: int, pool_tokens: int, num_seqs: int, enable_prefix_caching: bool = False
+) -> dict:
+    """vkv's scheduler on the trace: loop seconds, steps, preemptions."""
     config = Config(
         block_size=block_size,
         num_gpu_blocks=pool_tokens // block_size,
-        max_num_seqs=512,
-        max_num_batched_tokens=16_384,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_model_len=4096,
+        watermark=0.0,
+        enable_prefix_caching=enable_prefix_caching,
     )
     scheduler = Scheduler(config)
     for seq in make_sequences(nanovllm_trace(num_seqs), block_size):
         scheduler.add(seq)
-    steps = scheduled = 0
-    elapsed = 0.0
-    while not scheduler.is_finished():
-        start = time.perf_counter()
+
+    def step() -> int:
         out = scheduler.schedule()
         scheduler.postprocess(out.scheduled, [STAND_IN_TOKEN] * len(out.scheduled))
-        elapsed += time.perf_counter() - start
+        return len(out.scheduled)
+
+    return _timed(step, scheduler.is_finished, lambda: scheduler.num_preemptions)
+
+
+def _timed(step: Callable[[], int], done: Callable[[], bool], preemptions: Callable[[], int]):
+    gc.collect()
+    steps = scheduled = 0
+    start = time.perf_counter()
+    while not done():
+        scheduled += step()
         steps += 1
-        scheduled += len(out.scheduled)
+    elapsed = time.perf_counter() - start
     return {
+        "seconds": elapsed,
         "steps": steps,
-        "preemptions": scheduler.num_preemptions,
-        "us_per_step": elapsed / steps * 1e6,
+        "preemptions": preemptions(),
         "us_per_seq_step": elapsed / scheduled * 1e6,
     }
 
 
+class NanoVllm:
+    """nano-vLLM's scheduler modules, imported from a checkout without its package ``__init__``
+    (which loads the model runner, CUDA kernels and flash-attn)."""
+
+    def __init__(self, checkout: Path) -> None:
+        package = checkout / "nanovllm"
+        if not (package / "engine" / "scheduler.py").is_file():
+            raise SystemExit(f"{checkout} is not a nano-vLLM checkout (no nanovllm/engine/)")
+        stub = types.ModuleType("nanovllm")
+        stub.__path__ = [str(package)]
+        sys.modules["nanovllm"] = stub
+        self.scheduler = importlib.import_module("nanovllm.engine.scheduler")
+        self.sequence = importlib.import_module("nanovllm.engine.sequence")
+        self.sampling = importlib.import_module("nanovllm.sampling_params")
+        self.revision = _git_revision(checkout)
+
+    def run_once(self, block_size: int, pool_tokens: int, requests: list[Request]) -> dict:
+        config = types.SimpleNamespace(
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            eos=-1,
+            kvcache_block_size=block_size,
+            num_kvcache_blocks=pool_tokens // block_size,
+        )
+        self.sequence.Sequence.block_size = block_size
+        scheduler = _counting(self.scheduler.Scheduler)(config)
+        for seq_id, request in enumerate(requests):
+            prompt = [(seq_id + i) % 50_000 + 8 for i in range(request.prompt_len)]
+            params = self.sampling.SamplingParams(max_tokens=request.output_len, ignore_eos=True)
+            scheduler.add(self.sequence.Sequence(prompt, params))
+
+        def step() -> int:
+            seqs, is_prefill = scheduler.schedule()
+            scheduler.postprocess(seqs, [STAND_IN_TOKEN] * len(seqs), is_prefill)
+            return len(seqs)
+
+        return _timed(step, scheduler.is_finished, lambda: scheduler.num_preemptions)
+
+
+def _counting(scheduler_class: type) -> type:
+    """nano-vLLM's Scheduler, counting its preemptions (it keeps no count)."""
+
+    class CountingScheduler(scheduler_class):
+        num_preemptions = 0
+
+        def preempt(self, seq) -> None:
+            self.num_preemptions += 1
+            super().preempt(seq)
+
+    return CountingScheduler
+
+
+def _git_revision(checkout: Path) -> str:
+    head = checkout / ".git" / "HEAD"
+    if not head.is_file():
+        return "unknown revision"
+    ref = head.read_text().strip()
+    if ref.startswith("ref: "):
+        target = checkout / ".git" / ref[5:]
+        return target.read_text().strip()[:7] if target.is_file() else ref[5:]
+    return ref[:7]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vs-nano-vllm", type=Path, metavar="PATH", help="a nano-vLLM checkout")
     parser.add_argument("--seqs", type=int, default=512)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per configuration (best kept)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    runs = [(name, bs, pool) for name, bs, pool in CONFIGS for _ in range(args.repeat)]
-    best: dict[str, dict] = {}
-    for name, block_size, pool in track(runs, description="scheduling"):
-        result = run_once(block_size, pool, args.seqs)
-        if name not in best or result["us_per_step"] < best[name]["us_per_step"]:
-            best[name] = result
-    table = Table(title=f"Scheduler host cost, nano-vLLM trace of {args.seqs} sequences")
-    for column in ("configuration", "steps", "preemptions", "µs/step", "µs/seq-step", "ratio"):
-        table.add_column(column, justify="left" if column == "configuration" else "right")
-    base = best[CONFIGS[0][0]]["us_per_seq_step"]
-    for name, stats in best.items():
-        table.add_row(
-            name,
-            str(stats["steps"]),
-            str(stats["preemptions"]),
-            f"{stats['us_per_step']:.0f}",
-            f"{stats['us_per_seq_step']:.2f}",
-            f"{stats['us_per_seq_step'] / base:.2f}x",
-        )
-    Console().print(table)
+    nano = NanoVllm(args.vs_nano_vllm) if args.vs_nano_vllm else None
+    requests = nanovllm_trace(args.seqs)
+    sides: dict[str, Callable[[int, int], dict]] = {
+        "vkv": lambda bs, pool: run_once(bs, pool, args.seqs),
+        "vkv+caching": lambda bs, pool: run_once(bs, pool, args.seqs, True),
+    }
+    if nano is not None:
+        sides["nano-vLLM"] = lambda bs, pool: nano.run_once(bs, pool, requests)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    console = Console(width=160)
+    for round_ in range(args.rounds):
+        for name, block_size, pool in CONFIGS:
+            for side, run in sides.items():
+                runs.setdefault((name, side), []).append(run(block_size, pool))
+        console.print(f"round {round_ + 1} of {args.rounds} done")
+    summary = _summarize(runs, sides)
+    title = f"Scheduler loop, nano-vLLM's trace of {args.seqs} sequences, median of {args.rounds}"
+    if nano is not None:
+        title += f" (nano-vLLM {nano.revision})"
+    console.print(_table(summary, list(sides), title))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_scheduler.json").write_text(json.dumps(best, indent=2))
+    (args.out / "bench_scheduler.json").write_text(json.dumps(summary, indent=2))
+
+
+def _summarize(runs: dict[tuple[str, str], list[dict]], sides: dict) -> dict:
+    summary: dict[str, dict] = {}
+    for name, _, _ in CONFIGS:
+        row = summary[name] = {}
+        for side in sides:
+            results = runs[(name, side)]
+            row[side] = {
+                "median_s": statistics.median(r["seconds"] for r in results),
+                "steps": sorted({r["steps"] for r in results}),
+                "preemptions": sorted({r["preemptions"] for r in results}),
+                "us_per_seq_step": statistics.median(r["us_per_seq_step"] for r in results),
+            }
+    return summary
+
+
+def _table(summary: dict, sides: list[str], title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("configuration")
+    for side in sides:
+        table.add_column(f"{side} ms", justify="right")
+        table.add_column(f"{side} steps / preempt.", justify="right")
+    for side in sides[:2]:
+        if "nano-vLLM" in sides:
+            table.add_column(f"{side} / nano-vLLM", justify="right")
+    for name, row in summary.items():
+        cells = [name]
+        for side in sides:
+            r = row[side]
+            steps = "/".join(map(str, r["steps"]))
+            preemptions = "/".join(map(str, r["preemptions"]))
+            cells += [f"{r['median_s'] * 1e3:.0f}", f"{steps} / {preemptions}"]
+        if "nano-vLLM" in sides:
+            base = row["nano-vLLM"]["median_s"]
+            cells += [f"{row[side]['median_s'] / base:.2f}x" for side in sides[:2]]
+        table.add_row(*cells)
+    return table
 
 
 if __name__ == "__main__":

@@ -208,7 +208,8 @@ class BlockManager:
         """Whether ``append_slot(seq)`` would find the block it may need (no watermark here)."""
         ### BEGIN SOLUTION part1.3
         self._require_device(seq, Device.GPU)
-        return self._blocks_to_append(seq) <= self.num_free_gpu_blocks
+        needed = self._blocks_to_append(seq)
+        return needed == 0 or needed <= self.num_free_gpu_blocks
         ### END SOLUTION
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
@@ -222,13 +223,12 @@ class BlockManager:
         """
         ### BEGIN SOLUTION part1.3
         self._require_device(seq, Device.GPU)
-        needed = self._blocks_to_append(seq)
-        if needed > self.num_free_gpu_blocks:
+        if self._blocks_to_append(seq) == 0:
+            return None  # the token fits in its last block, which no other sequence holds
+        if self.num_free_gpu_blocks == 0:
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs a GPU block and none is free")
         if seq.num_tokens > len(seq.block_table) * self.block_size:
             seq.block_table.append(self.gpu_allocator.allocate().block_id)
-            return None
-        if needed == 0:
             return None
         last = self.gpu_allocator.blocks[seq.block_table[-1]]
         copy = self.gpu_allocator.allocate()
@@ -416,13 +416,13 @@ class BlockManager:
         """
         ### BEGIN SOLUTION part1.3
         capacity = len(seq.block_table) * self.block_size
-        if seq.num_tokens > capacity + 1:
+        num_tokens = seq.num_tokens
+        if num_tokens <= capacity:
+            return 1 if self.gpu_allocator.blocks[seq.block_table[-1]].ref_count > 1 else 0
+        if num_tokens > capacity + 1:
             raise ValueError(
-                f"sequence {seq.seq_id} has {seq.num_tokens} tokens but blocks for {capacity}: "
+                f"sequence {seq.seq_id} has {num_tokens} tokens but blocks for {capacity}: "
                 "append_slot must follow every appended token"
             )
-        if seq.num_tokens > capacity:
-            return 1
-        last = self.gpu_allocator.blocks[seq.block_table[-1]]
-        return 1 if last.ref_count > 1 else 0
+        return 1
         ### END SOLUTION

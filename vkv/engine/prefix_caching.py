@@ -122,7 +122,10 @@ class PrefixCachingBlockManager(BlockManager):
         self._require_device(seq, Device.GPU)
         if seq.seq_id in self._unmerged:
             self._merge(seq)
-        self._make_room(self._blocks_to_append(seq))
+        needed = self._blocks_to_append(seq)
+        if needed == 0:
+            return None  # the token fits in its unshared last block: nothing to allocate
+        self._make_room(needed)
         return super().append_slot(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -54,6 +54,7 @@ a negative number of blocks.
 """
 
 import heapq
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -68,7 +69,7 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     little-endian bytes, if any, then each token as 4 little-endian bytes."""
     ### BEGIN SOLUTION part4.1
     data = b"" if parent is None else parent.to_bytes(8, "little")
-    data += b"".join(token.to_bytes(4, "little") for token in tokens)
+    data += struct.pack(f"<{len(tokens)}I", *tokens)
     return xxhash.xxh64_intdigest(data)
     ### END SOLUTION
 

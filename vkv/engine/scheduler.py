@@ -54,6 +54,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vkv.config import Config, PreemptionMode
+from vkv.engine.block import NoFreeBlocksError
 from vkv.engine.block_manager import AllocStatus, BlockManager
 from vkv.engine.prefix_caching import PrefixCachingBlockManager
 from vkv.engine.sequence import Sequence, SequenceStatus
@@ -351,10 +352,10 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: SchedulingBudget) -> None:
         """Give every running sequence, oldest first, a slot for its newest token.
 
-        When ``can_append_slot`` fails, preempt the newest group of running sequences not yet
-        handled (``_pop_newest_group`` takes it from the back of what is left; ``_preempt``) and
-        retry; if nothing is left but the sequence itself, preempt it (``[seq]``). A shared
-        last block copied on write goes into ``out.blocks_to_copy``. Sequences in their prefill
+        When ``_append_slot`` finds no free block, preempt the newest group of running sequences
+        not yet handled (``_pop_newest_group`` takes it from the back of what is left;
+        ``_preempt``) and retry; if nothing is left but the sequence itself, preempt it
+        (``[seq]``). Each decode takes one token of the budget. Sequences in their prefill
         (``seq.is_prefill``; only with chunked prefill can one be running) are not decoded: they
         stay in ``running`` and go, in order, to ``_schedule_prefill_chunks`` after the decodes.
         ``running`` stays in arrival order.
@@ -369,16 +370,15 @@ class Scheduler:
                 kept.append(seq)
                 unfinished_prefills.append(seq)
                 continue
-            while not self.block_manager.can_append_slot(seq):
+            while not self._append_slot(seq, out):
                 victims = self._pop_newest_group(queue) if queue else [seq]
                 self._preempt(victims, out)
                 if victims[0] is seq:
                     break
             else:
-                self._append_slot(seq, out)
                 kept.append(seq)
-                out.scheduled.append(ScheduledSequence(seq, 1, is_prefill=False))
-                budget.add(1, 0)
+                out.scheduled.append(ScheduledSequence(seq, 1, False))
+        budget.add(len(kept) - len(unfinished_prefills), 0)
         self.running = kept
         if unfinished_prefills:
             self._schedule_prefill_chunks(unfinished_prefills, out, budget)
@@ -393,12 +393,19 @@ class Scheduler:
             group.insert(0, queue.pop())
         return group
 
-    def _append_slot(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """``append_slot`` for the sequence; a copy-on-write goes into ``out.blocks_to_copy``."""
+    def _append_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Give the sequence the slot for its newest token (``block_manager.append_slot``) and
+        return True; a copy-on-write it makes goes into ``out.blocks_to_copy``. Return False
+        when no GPU block is free for it (``append_slot`` raised ``NoFreeBlocksError`` and
+        changed nothing): one call both checks and does, as vLLM v1's ``allocate_slots``."""
         ### BEGIN SOLUTION part2.2
-        copy = self.block_manager.append_slot(seq)
+        try:
+            copy = self.block_manager.append_slot(seq)
+        except NoFreeBlocksError:
+            return False
         if copy is not None:
             out.blocks_to_copy.setdefault(copy[0], []).append(copy[1])
+        return True
         ### END SOLUTION
 
     def postprocess(
@@ -451,9 +458,10 @@ class Scheduler:
         params = seq.sampling_params
         if token_id == self.config.eos_token_id and not params.ignore_eos:
             return SequenceStatus.FINISHED_STOPPED
-        if seq.num_completion_tokens >= params.max_tokens:
+        num_tokens = seq.num_tokens
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH_CAPPED
-        if seq.num_tokens > self.config.max_model_len:
+        if num_tokens > self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
         ### END SOLUTION
@@ -551,7 +559,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self.running, seq, key=_by_arrival)
                 if not seq.is_prefill:
-                    self._append_slot(seq, out)
+                    self._append_slot(seq, out)  # True: can_swap_in kept a block for it
                 out.scheduled.append(ScheduledSequence(seq, num_tokens, seq.is_prefill))
             budget.add(sum(tokens), len(group))
         ### END SOLUTION

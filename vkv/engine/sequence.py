@@ -42,10 +42,10 @@ class SequenceStatus(Enum):
     FINISHED_ABORTED = auto()  # the client gave up
     FINISHED_IGNORED = auto()  # could never run (too long for the model or the pool)
 
-    @property
-    def is_finished(self) -> bool:
-        """Whether this status is one of the FINISHED_* states."""
-        return self.name.startswith("FINISHED_")
+    def __init__(self, value: int) -> None:
+        # Whether this status is one of the FINISHED_* states: worked out once per member, so
+        # that the check every token makes is an attribute read, not string work.
+        self.is_finished = self.name.startswith("FINISHED_")
 
 
 class Sequence:
@@ -191,7 +191,7 @@ class Sequence:
         "sequence 3 is FINISHED_STOPPED: a finished sequence takes no tokens".
         """
         ### BEGIN SOLUTION part1.1
-        if self.is_finished:
+        if self.status.is_finished:
             raise ValueError(
                 f"sequence {self.seq_id} is {self.status.name}: a finished sequence takes no tokens"
             )
