@@ -169,7 +169,7 @@ def main() -> None:
     if nano is not None:
         sides["nano-vLLM"] = lambda bs, pool: nano.run_once(bs, pool, requests)
     runs: dict[tuple[str, str], list[dict]] = {}
-    console = Console(width=160)
+    console = Console(width=140)
     for round_ in range(args.rounds):
         for name, block_size, pool in CONFIGS:
             for side, run in sides.items():
@@ -200,22 +200,30 @@ def _summarize(runs: dict[tuple[str, str], list[dict]], sides: dict) -> dict:
 
 
 def _table(summary: dict, sides: list[str], title: str) -> Table:
+    """One row per configuration: the schedule (steps / preemptions; every side's if they
+    differ), each side's median loop time, and each vkv side's ratio to nano-vLLM's."""
+    nano = "nano-vLLM" in sides
     table = Table(title=title)
     table.add_column("configuration")
+    table.add_column("steps / preemptions", justify="right")
     for side in sides:
         table.add_column(f"{side} ms", justify="right")
-        table.add_column(f"{side} steps / preempt.", justify="right")
-    for side in sides[:2]:
-        if "nano-vLLM" in sides:
+    if nano:
+        for side in sides[:2]:
             table.add_column(f"{side} / nano-vLLM", justify="right")
     for name, row in summary.items():
-        cells = [name]
-        for side in sides:
-            r = row[side]
-            steps = "/".join(map(str, r["steps"]))
-            preemptions = "/".join(map(str, r["preemptions"]))
-            cells += [f"{r['median_s'] * 1e3:.0f}", f"{steps} / {preemptions}"]
-        if "nano-vLLM" in sides:
+        schedules = {
+            side: f"{'/'.join(map(str, row[side]['steps']))} / "
+            f"{'/'.join(map(str, row[side]['preemptions']))}"
+            for side in sides
+        }
+        same = len(set(schedules.values())) == 1
+        cells = [
+            name,
+            schedules[sides[0]] if same else "; ".join(f"{k} {v}" for k, v in schedules.items()),
+        ]
+        cells += [f"{row[side]['median_s'] * 1e3:.0f}" for side in sides]
+        if nano:
             base = row["nano-vLLM"]["median_s"]
             cells += [f"{row[side]['median_s'] / base:.2f}x" for side in sides[:2]]
         table.add_row(*cells)

@@ -28,7 +28,7 @@ from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
 from vkv.engine.model_runner import ModelRunner
 from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence, SequenceStatus
-from vkv.kernels import reference
+from vkv.kernels import cpu_attention, reference
 from vkv.metrics.registry import EngineMetrics
 from vkv.metrics.stats import StatLogger
 from vkv.models.loader import load_checkpoint
@@ -65,7 +65,8 @@ class LLMEngine:
     ``kv_cache_bytes``, else in ``gpu_memory_fraction`` of the free memory on CUDA (256 MiB on a
     CPU); its size is printed to stderr. ``num_cpu_blocks`` is the swap pool. Attention runs on
     the Triton kernels on CUDA and on the PyTorch reference on a CPU unless ``backend`` says
-    otherwise; the scheduler's options are ``Config``'s.
+    otherwise (on a CPU, decode attention reads the paged cache in place: ``cpu_attention``);
+    the scheduler's options are ``Config``'s.
     """
 
     def __init__(
@@ -106,8 +107,14 @@ class LLMEngine:
             )
         if backend == "triton":
             from vkv.kernels import triton_attention as kernels
+
+            attention = "triton attention"
+        elif self.device.type == "cpu":
+            kernels = cpu_attention
+            compiled = cpu_attention.kernel_path() is not None
+            attention = "torch attention" + (", decode in place (C)" if compiled else "")
         else:
-            kernels = reference
+            kernels, attention = reference, "torch attention"
         self.model, self.tokenizer, eos = load_checkpoint(model, dtype, self.device)
         c = self.model.config
         shape = CacheShape(
@@ -159,7 +166,7 @@ class LLMEngine:
         print(
             f"vkv: KV cache of {self.config.num_gpu_blocks} blocks x {block_size} tokens "
             f"({self.config.num_gpu_blocks * shape.block_bytes / 2**20:.1f} MiB"
-            f"{_capacity_note(shape)}) on {self.device}, {backend} attention",
+            f"{_capacity_note(shape)}) on {self.device}, {attention}",
             file=sys.stderr,
         )
         self._requests: dict[int, Sequence] = {}  # sequence id -> sequence, samples included

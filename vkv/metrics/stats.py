@@ -86,15 +86,15 @@ class StatLogger:
         since the sequence's previous token."""
         ### BEGIN SOLUTION part5.2
         m, labels = self.metrics, self.labels
+        m.generation_tokens.labels(**labels).inc(len(seqs))
+        time_per_output_token = m.time_per_output_token_seconds.labels(**labels)
         for seq in seqs:
-            m.generation_tokens.labels(**labels).inc()
             if seq.num_completion_tokens == 1:
                 m.time_to_first_token_seconds.labels(**labels).observe(now - seq.arrival_time)
                 if seq.group_id == seq.seq_id:
                     m.prompt_tokens.labels(**labels).inc(seq.num_prompt_tokens)
             else:
-                gap = now - self.last_token_time[seq.seq_id]
-                m.time_per_output_token_seconds.labels(**labels).observe(gap)
+                time_per_output_token.observe(now - self.last_token_time[seq.seq_id])
             self.last_token_time[seq.seq_id] = now
         ### END SOLUTION
 
