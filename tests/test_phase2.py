@@ -777,6 +777,26 @@ def test_part2_when_blocks_run_out_the_newest_unhandled_sequence_is_preempted(mo
     )
 
 
+def test_part2_append_slot_returns_false_only_for_a_missing_block():
+    s = make_scheduler(num_gpu_blocks=3)
+    a = make_seq(s, 0, 8)  # 2 blocks of 4
+    b = make_seq(s, 1, 3)  # 1 block: the pool is full once both are admitted
+    step(s)
+    out = SchedulerOutput()
+    assert s._append_slot(b, out) is True, (
+        "b's newest token fits in its last block: _append_slot gives it the slot and returns True"
+    )
+    table = list(a.block_table)
+    assert s._append_slot(a, out) is False, (
+        "a's newest token opens a new block and none is free: _append_slot returns False"
+    )
+    assert a.block_table == table, "a refused _append_slot changes nothing"
+    waiting = make_seq(s, 2, 3)
+    with pytest.raises(ValueError):
+        s._append_slot(waiting, out)  # holds no blocks: append_slot's ValueError goes through
+    assert out.blocks_to_copy == {}, "no copy on write happened"
+
+
 def test_part2_copies_on_write_go_into_blocks_to_copy():
     s = make_scheduler()
     a = make_seq(s, 0, 5)

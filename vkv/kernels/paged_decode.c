@@ -34,6 +34,28 @@ static float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
+/* e^x for x <= 0 (a score minus the running maximum), within about 2 ulp of expf: x = k ln 2 + r
+ * with |r| <= ln 2 / 2, e^r by Cephes' polynomial, 2^k put in the exponent bits. Plain
+ * arithmetic, so a loop of it vectorizes (expf is a library call per element); below -87 the
+ * result is about 1e-38, which is 0 for a softmax weight. */
+static inline float exp_nonpositive(float x) {
+    union {
+        int32_t bits;
+        float value;
+    } two_to_k;
+    x = x < -87.0f ? -87.0f : x;
+    const float k = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    two_to_k.bits = ((int32_t)k + 127) << 23;
+    return (p * r * r + r + 1.0f) * two_to_k.value;
+}
+
 void vkv_paged_decode_f32(const float *query, const float *k_cache, const float *v_cache,
                           const int32_t *block_tables, const int32_t *context_lens, float *out,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -42,7 +64,7 @@ void vkv_paged_decode_f32(const float *query, const float *k_cache, const float 
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
-    float running_max[group], total[group], acc[group][head_dim], score[block_size];
+    float running_max[group], total[group], acc[group][head_dim], weight[block_size];
 
     for (int64_t item = first_item; item < last_item; ++item) {
         const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
@@ -60,23 +82,25 @@ void vkv_paged_decode_f32(const float *query, const float *k_cache, const float 
             const int64_t offset = table[start / block_size] * block_stride + kv_head * head_dim;
             const float *k = k_cache + offset, *v = v_cache + offset;
             for (int64_t j = 0; j < group; ++j) {
+                /* scores of the block's tokens, then their weights against the new maximum */
                 float block_max = -INFINITY;
                 for (int64_t t = 0; t < n; ++t) {
-                    score[t] = dot(q + j * head_dim, k + t * token_stride, head_dim) * scale;
-                    block_max = score[t] > block_max ? score[t] : block_max;
+                    weight[t] = dot(q + j * head_dim, k + t * token_stride, head_dim) * scale;
+                    block_max = weight[t] > block_max ? weight[t] : block_max;
                 }
                 const float new_max = block_max > running_max[j] ? block_max : running_max[j];
-                const float rescale = expf(running_max[j] - new_max); /* 0 at the first block */
-                total[j] *= rescale;
+                const float rescale = exp_nonpositive(running_max[j] - new_max);
+                for (int64_t t = 0; t < n; ++t)
+                    weight[t] = exp_nonpositive(weight[t] - new_max);
+                float block_total = 0.0f;
+                for (int64_t t = 0; t < n; ++t)
+                    block_total += weight[t];
+                total[j] = total[j] * rescale + block_total;
                 for (int64_t d = 0; d < head_dim; ++d)
                     acc[j][d] *= rescale;
-                for (int64_t t = 0; t < n; ++t) {
-                    const float p = expf(score[t] - new_max);
-                    const float *vt = v + t * token_stride;
-                    total[j] += p;
+                for (int64_t t = 0; t < n; ++t)
                     for (int64_t d = 0; d < head_dim; ++d)
-                        acc[j][d] += p * vt[d];
-                }
+                        acc[j][d] += weight[t] * v[t * token_stride + d];
                 running_max[j] = new_max;
             }
         }
