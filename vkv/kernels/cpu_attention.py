@@ -5,10 +5,12 @@ block of every sequence into one padded tensor, then masking the padding: simple
 Triton kernels are checked against, but on a CPU the gather is the larger part of attention's
 time (each layer and step copies the whole batch's K/V, padding included, then reads the copy).
 Here ``paged_decode_attention`` runs ``paged_decode.c`` instead: a loop over each sequence's
-block table that reads its blocks where they lie, once for all the query heads that share a KV
-head (grouped-query attention), with an online softmax, split over this process's torch
-threads (``ctypes`` releases the GIL during the call). Storing and prefill attention are the
-reference's.
+block table that reads its blocks where they lie, with an online softmax, one sequence per
+OpenMP thread at a time. Storing and prefill attention are the reference's.
+
+What it buys (``benchmarks/bench_cpu_attention.py``): on the engine's decode batches the loop
+takes about half the reference's time when the blocks are in the CPU's caches; inside a run,
+where each layer's K/V come from memory, the two differ by less (reading the cache dominates).
 
 The C file is compiled once per machine with the system's C compiler (``$CC``, else ``cc``)
 into ``$VKV_CACHE_DIR`` (default ``~/.cache/vkv``), under a name derived from the source, the
@@ -26,7 +28,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,9 +38,11 @@ from vkv.kernels.reference import paged_prefill_attention, store_kvcache
 __all__ = ["kernel_path", "paged_decode_attention", "paged_prefill_attention", "store_kvcache"]
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-# -march=native: the library is built on the machine that runs it (the name includes the CPU);
-# compilers that refuse it get the second set
-FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
+# -march=native: the library is built on the machine that runs it (its name includes the CPU);
+# -fopenmp: the loop over sequences runs on OpenMP threads (with PyPI's torch on Linux, the
+# libgomp torch loaded, so one thread pool serves both); a compiler that refuses a set of flags
+# gets the next one (Apple's clang has no OpenMP: one thread)
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -62,15 +65,15 @@ def paged_decode_attention(
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(query)
-    tables = block_tables.contiguous()
-    lens = context_lens.contiguous()
-    args = (
+    tables, lens = block_tables.contiguous(), context_lens.contiguous()
+    kernel(
         query.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         tables.data_ptr(),
         lens.data_ptr(),
         out.data_ptr(),
+        batch,
         num_heads,
         num_kv_heads,
         head_dim,
@@ -78,14 +81,6 @@ def paged_decode_attention(
         tables.shape[1],
         scale,
     )
-    items = batch * num_kv_heads
-    threads = max(1, min(torch.get_num_threads(), items))
-    bounds = [items * i // threads for i in range(threads + 1)]
-    if threads == 1:
-        kernel(*args, 0, items)
-    else:
-        pool = _pool(threads)
-        list(pool.map(lambda i: kernel(*args, bounds[i], bounds[i + 1]), range(threads)))
     return out
 
 
@@ -153,7 +148,7 @@ def _build() -> Path | None:
 def _load(path: Path):
     function = ctypes.CDLL(str(path)).vkv_paged_decode_f32
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer] * 6 + [int64] * 5 + [ctypes.c_float, int64, int64]
+    function.argtypes = [pointer] * 6 + [int64] * 6 + [ctypes.c_float]
     function.restype = None
     return function
 
@@ -167,10 +162,3 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.machine() + platform.processor()
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    pool = _state.get("pool")
-    if pool is None or pool._max_workers != threads:  # type: ignore[attr-defined]
-        pool = _state["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="vkv-attention")
-    return pool  # type: ignore[return-value]

@@ -4,12 +4,12 @@
  * attends to the context_lens[b] tokens cached for it (its own included), grouped-query heads
  * (query head h reads KV head h / (num_heads / num_kv_heads)). The reference gathers every block
  * of every sequence into one padded tensor and masks the padding; this loop walks each block
- * table instead and reads a block's keys and values where they lie, once for all the query
- * heads that share them, with an online softmax (a running maximum, rescaled block by block),
- * so nothing is copied and no padding is computed.
+ * table instead and reads a block's keys and values where they lie, for all of the sequence's
+ * heads while the block is in the CPU's cache, with an online softmax (a running maximum,
+ * rescaled block by block), so nothing is copied and no padding is computed.
  *
- * Work items are (sequence, KV head) pairs; a call computes items [first_item, last_item), so
- * callers can split a batch over threads. Layouts, all contiguous:
+ * A call computes the whole batch, one sequence per iteration of an OpenMP loop (without
+ * -fopenmp, one thread). Layouts, all contiguous:
  *   query, out     [batch, num_heads, head_dim]
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables   [batch, table_width] int32 (entries past a sequence's blocks are not read)
@@ -26,9 +26,8 @@ static float dot(const float *a, const float *b, int64_t n) {
     for (; i + 8 <= n; i += 8)
         for (int r = 0; r < 8; ++r)
             lanes[r] += a[i + r] * b[i + r];
-    float sum = 0.0f;
-    for (int r = 0; r < 8; ++r)
-        sum += lanes[r];
+    float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+                ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
     for (; i < n; ++i)
         sum += a[i] * b[i];
     return sum;
@@ -58,55 +57,66 @@ static inline float exp_nonpositive(float x) {
 
 void vkv_paged_decode_f32(const float *query, const float *k_cache, const float *v_cache,
                           const int32_t *block_tables, const int32_t *context_lens, float *out,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, int64_t table_width, float scale,
-                          int64_t first_item, int64_t last_item) {
+                          int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, int64_t table_width,
+                          float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
-    float running_max[group], total[group], acc[group][head_dim], weight[block_size];
 
-    for (int64_t item = first_item; item < last_item; ++item) {
-        const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+    /* one sequence per iteration: its blocks are read whole, by one thread, once */
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t seq = 0; seq < batch; ++seq) {
+        float running_max[num_heads], total[num_heads], acc[num_heads][head_dim];
+        float weight[block_size];
         const int32_t *table = block_tables + seq * table_width;
         const int64_t context = context_lens[seq];
-        const float *q = query + (seq * num_heads + kv_head * group) * head_dim;
-        for (int64_t j = 0; j < group; ++j) {
-            running_max[j] = -INFINITY;
-            total[j] = 0.0f;
+        const float *q = query + seq * num_heads * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+            running_max[h] = -INFINITY;
+            total[h] = 0.0f;
             for (int64_t d = 0; d < head_dim; ++d)
-                acc[j][d] = 0.0f;
+                acc[h][d] = 0.0f;
         }
         for (int64_t start = 0; start < context; start += block_size) {
             const int64_t n = context - start < block_size ? context - start : block_size;
-            const int64_t offset = table[start / block_size] * block_stride + kv_head * head_dim;
-            const float *k = k_cache + offset, *v = v_cache + offset;
-            for (int64_t j = 0; j < group; ++j) {
-                /* scores of the block's tokens, then their weights against the new maximum */
+            const float *k_block = k_cache + table[start / block_size] * block_stride;
+            const float *v_block = v_cache + table[start / block_size] * block_stride;
+            if (start + block_size < context) { /* fetch the next block while this one computes */
+                const int64_t next = table[start / block_size + 1] * block_stride;
+                for (int64_t i = 0; i < block_stride; i += 16) {
+                    __builtin_prefetch(k_cache + next + i);
+                    __builtin_prefetch(v_cache + next + i);
+                }
+            }
+            for (int64_t h = 0; h < num_heads; ++h) {
+                /* query head h reads KV head h / group: its slice of every token's row */
+                const float *k = k_block + (h / group) * head_dim;
+                const float *v = v_block + (h / group) * head_dim;
                 float block_max = -INFINITY;
                 for (int64_t t = 0; t < n; ++t) {
-                    weight[t] = dot(q + j * head_dim, k + t * token_stride, head_dim) * scale;
+                    weight[t] = dot(q + h * head_dim, k + t * token_stride, head_dim) * scale;
                     block_max = weight[t] > block_max ? weight[t] : block_max;
                 }
-                const float new_max = block_max > running_max[j] ? block_max : running_max[j];
-                const float rescale = exp_nonpositive(running_max[j] - new_max);
+                const float new_max = block_max > running_max[h] ? block_max : running_max[h];
+                const float rescale = exp_nonpositive(running_max[h] - new_max);
                 for (int64_t t = 0; t < n; ++t)
                     weight[t] = exp_nonpositive(weight[t] - new_max);
                 float block_total = 0.0f;
                 for (int64_t t = 0; t < n; ++t)
                     block_total += weight[t];
-                total[j] = total[j] * rescale + block_total;
+                total[h] = total[h] * rescale + block_total;
                 for (int64_t d = 0; d < head_dim; ++d)
-                    acc[j][d] *= rescale;
+                    acc[h][d] *= rescale;
                 for (int64_t t = 0; t < n; ++t)
                     for (int64_t d = 0; d < head_dim; ++d)
-                        acc[j][d] += weight[t] * v[t * token_stride + d];
-                running_max[j] = new_max;
+                        acc[h][d] += weight[t] * v[t * token_stride + d];
+                running_max[h] = new_max;
             }
         }
-        float *o = out + (seq * num_heads + kv_head * group) * head_dim;
-        for (int64_t j = 0; j < group; ++j)
+        float *o = out + seq * num_heads * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h)
             for (int64_t d = 0; d < head_dim; ++d)
-                o[j * head_dim + d] = acc[j][d] / total[j];
+                o[h * head_dim + d] = acc[h][d] / total[h];
     }
 }
