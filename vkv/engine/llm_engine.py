@@ -404,21 +404,17 @@ class LLMEngine:
         print(f"vkv: request {seq.seq_id} failed: {reason}", file=sys.stderr)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        completion = seq.completion_token_ids
+        completion, finished = seq.completion_token_ids, seq.is_finished
         error = self._errors.get(seq.seq_id)
         state = self._streamed[seq.seq_id]
-        sent, new_text = state.sent, self._new_text(state, completion, seq.is_finished)
+        sent, new_text = state.sent, self._new_text(state, completion, finished)
         state.sent = len(completion)
         request_id, index = self._sample_of[seq.seq_id]
+        reason = None
+        if finished:
+            reason = "error" if error else FINISH_REASONS[seq.status]
         return RequestOutput(
-            request_id=request_id,
-            index=index,
-            new_text=new_text,
-            new_token_ids=completion[sent:],
-            token_ids=completion,
-            finished=seq.is_finished,
-            finish_reason="error" if error else FINISH_REASONS.get(seq.status),
-            error=error,
+            request_id, index, new_text, completion[sent:], completion, finished, reason, error
         )
 
     def _new_text(self, state: "Detokenized", tokens: list[int], finished: bool) -> str:

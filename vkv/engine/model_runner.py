@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Mapping
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from vkv.engine.block_manager import BlockManager
@@ -62,17 +63,19 @@ class ModelRunner:
         width = max(len(table) for table in tables)
         padded = [table + [-1] * (width - len(table)) for table in tables]
 
-        def tensor(values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
+        def tensor(values: list, dtype: type[np.integer] = np.int32) -> torch.Tensor:
+            # through numpy: it converts Python lists (the block tables' above all) to arrays
+            # 2-3x faster than torch.tensor
+            return torch.from_numpy(np.array(values, dtype=dtype)).to(self.device)
 
         meta = AttentionMetadata(
             is_prefill=any(item.is_prefill for item in scheduled),
-            slot_mapping=tensor(slots, torch.int64),
+            slot_mapping=tensor(slots, np.int64),
             block_tables=tensor(padded),
             context_lens=tensor(context_lens),
             cu_seqlens_q=tensor(cu_seqlens),
         )
-        return tensor(tokens, torch.int64), tensor(positions, torch.int64), meta
+        return tensor(tokens, np.int64), tensor(positions, np.int64), meta
 
     def apply_block_maps(
         self, out: SchedulerOutput, running: list[Sequence], swapped: Iterable[Sequence]
