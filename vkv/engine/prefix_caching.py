@@ -83,9 +83,11 @@ class PrefixCachingBlockManager(BlockManager):
 
     def can_allocate(self, seq: Sequence) -> AllocStatus:
         """As Phase 1's, but cached blocks that are in use cost nothing: the need is the prompt's
-        blocks less those. NEVER still compares the whole prompt with the pool."""
-        if self.num_gpu_blocks - seq.num_blocks < self.watermark_blocks:
-            return AllocStatus.NEVER
+        blocks less those. NEVER still compares the whole prompt with the pool; a prompt that
+        fits whole is OK without a look at the tree (hits only lower the need)."""
+        status = self._fit_status(seq.num_blocks)
+        if status is not AllocStatus.LATER:
+            return status
         return self._fit_status(self._need(seq, self._match(seq)))
 
     def allocate(self, seq: Sequence) -> None:
