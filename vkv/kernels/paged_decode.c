@@ -18,6 +18,10 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Blocks read ahead of the one being computed: a block of another sequence lies anywhere in the
+ * cache, so the CPU cannot guess it; fetched early, it is in the cache when its turn comes. */
+#define BLOCKS_AHEAD 4
+
 /* A dot product in 8 independent lanes, so the compiler vectorizes it without reordering
  * a single running sum (no -ffast-math needed). */
 static float dot(const float *a, const float *b, int64_t n) {
@@ -55,6 +59,14 @@ static inline float exp_nonpositive(float x) {
     return (p * r * r + r + 1.0f) * two_to_k.value;
 }
 
+static void prefetch_block(const float *k_cache, const float *v_cache, int64_t offset,
+                           int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) { /* a cache line holds 16 floats */
+        __builtin_prefetch(k_cache + offset + i);
+        __builtin_prefetch(v_cache + offset + i);
+    }
+}
+
 void vkv_paged_decode_f32(const float *query, const float *k_cache, const float *v_cache,
                           const int32_t *block_tables, const int32_t *context_lens, float *out,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -78,17 +90,15 @@ void vkv_paged_decode_f32(const float *query, const float *k_cache, const float 
             for (int64_t d = 0; d < head_dim; ++d)
                 acc[h][d] = 0.0f;
         }
+        for (int64_t b = 0; b < BLOCKS_AHEAD && b * block_size < context; ++b)
+            prefetch_block(k_cache, v_cache, table[b] * block_stride, block_stride);
         for (int64_t start = 0; start < context; start += block_size) {
             const int64_t n = context - start < block_size ? context - start : block_size;
             const float *k_block = k_cache + table[start / block_size] * block_stride;
             const float *v_block = v_cache + table[start / block_size] * block_stride;
-            if (start + block_size < context) { /* fetch the next block while this one computes */
-                const int64_t next = table[start / block_size + 1] * block_stride;
-                for (int64_t i = 0; i < block_stride; i += 16) {
-                    __builtin_prefetch(k_cache + next + i);
-                    __builtin_prefetch(v_cache + next + i);
-                }
-            }
+            const int64_t ahead = start / block_size + BLOCKS_AHEAD;
+            if (ahead * block_size < context) /* fetched while this block computes */
+                prefetch_block(k_cache, v_cache, table[ahead] * block_stride, block_stride);
             for (int64_t h = 0; h < num_heads; ++h) {
                 /* query head h reads KV head h / group: its slice of every token's row */
                 const float *k = k_block + (h / group) * head_dim;
