@@ -41,8 +41,14 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 # -march=native: the library is built on the machine that runs it (its name includes the CPU);
 # -fopenmp: the loop over sequences runs on OpenMP threads (with PyPI's torch on Linux, the
 # libgomp torch loaded, so one thread pool serves both); a compiler that refuses a set of flags
-# gets the next one (Apple's clang has no OpenMP: one thread)
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
+# gets the next one (Apple's clang has no OpenMP: one thread); -fno-trapping-math: without it
+# gcc will not vectorize the exponential's float-to-int conversion (it could raise a floating-
+# point exception, which nothing here watches)
+FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"],
+    ["-O3", "-fopenmp", "-fno-trapping-math"],
+    ["-O3"],
+)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
