@@ -991,6 +991,24 @@ def test_part3_append_into_a_shared_last_block_copies_on_write():
     assert bm.append_slot(child) is None, "the child is the last holder now: no copy"
 
 
+def test_part3_a_token_that_fills_a_shared_last_block_copies_it_and_adds_no_block():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    parent, child = make_seq(1, 3, 4), make_seq(2, 3, 4)
+    bm.allocate(parent)
+    bm.fork(parent, child)
+    (shared,) = parent.block_table
+    parent.append_token(1)  # token #4 takes the last slot of the shared block
+    copy = bm.append_slot(parent)
+    assert copy is not None and copy[0] == shared, (
+        f"4 tokens fit in one block of 4, which the child holds too: the newest token's write "
+        f"needs a copy of block {shared}, append_slot returned {copy}"
+    )
+    assert parent.block_table == [copy[1]], (
+        f"the block is copied, not extended: expected the table [{copy[1]}], got "
+        f"{parent.block_table}"
+    )
+
+
 def test_part3_can_append_slot_counts_the_block_a_copy_on_write_needs():
     bm = BlockManager(block_size=4, num_gpu_blocks=2, watermark=0.0)
     parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
