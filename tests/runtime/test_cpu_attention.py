@@ -123,3 +123,22 @@ def test_greedy_completions_are_the_same_with_and_without_the_loop(monkeypatch):
     with_loop = complete()
     monkeypatch.setattr(cpu_attention, "_kernel", lambda: None)
     assert complete() == with_loop
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("table", "context"),
+    [([[0, -1]], 7), ([[0, 9]], 7), ([[0, 1]], 9)],
+    ids=["padding-inside-the-context", "a-block-past-the-cache", "context-past-the-table"],
+)
+def test_a_table_that_does_not_cover_its_context_is_refused(table, context):
+    cache = torch.randn(3, 4, 2, 8)
+    with pytest.raises(ValueError, match="block table"):
+        cpu_attention.paged_decode_attention(
+            torch.randn(1, 4, 8),
+            cache,
+            cache,
+            torch.tensor(table, dtype=torch.int32),
+            torch.tensor([context], dtype=torch.int32),
+            0.3,
+        )

@@ -8,16 +8,19 @@ Here ``paged_decode_attention`` runs ``paged_decode.c`` instead: a loop over eac
 block table that reads its blocks where they lie, with an online softmax, one sequence per
 OpenMP thread at a time. Storing and prefill attention are the reference's.
 
-What it buys (``benchmarks/bench_cpu_attention.py``): on the engine's decode batches the loop
-takes about half the reference's time when the blocks are in the CPU's caches; inside a run,
-where each layer's K/V come from memory, the two differ by less (reading the cache dominates).
+What it buys (``benchmarks/bench_cpu_attention.py``, 2 cores): a quarter to two fifths of the
+reference's time for one call whose blocks are in the CPU's caches; inside a ``vkv bench e2e``
+run, where each layer's K/V come from memory, about three quarters (the blocks are fetched a few
+ahead, since no hardware prefetcher follows a block table).
 
 The C file is compiled once per machine with the system's C compiler (``$CC``, else ``cc``)
 into ``$VKV_CACHE_DIR`` (default ``~/.cache/vkv``), under a name derived from the source, the
 flags, the compiler and the CPU, then loaded with ``ctypes``. Without a compiler, when the build
 fails, with ``VKV_CPU_KERNEL=0`` in the environment, or for a cache it does not handle (not
 float32, quantized, not contiguous), decode attention falls back to the reference, with the same
-results up to float rounding (``tests/runtime/test_cpu_attention.py`` compares the two).
+results up to float rounding (``tests/runtime/test_cpu_attention.py`` compares the two). A block
+table that does not cover its context with blocks of the cache is refused (``ValueError``)
+before anything is read: the reference would read block 0 for a -1.
 """
 
 import ctypes
@@ -72,7 +75,7 @@ def paged_decode_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(query)
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
-    kernel(
+    status = kernel(
         query.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -85,8 +88,14 @@ def paged_decode_attention(
         head_dim,
         block_size,
         tables.shape[1],
+        k_cache.shape[0],
         scale,
     )
+    if status != 0:
+        raise ValueError(
+            "paged_decode_attention: a context is empty or longer than its block table, or a "
+            f"table names a block outside the cache of {k_cache.shape[0]} blocks"
+        )
     return out
 
 
@@ -115,8 +124,9 @@ def _kernel():
             _state["kernel"] = None
             if os.environ.get("VKV_CPU_KERNEL", "1") != "0":
                 path = _build()
-                if path is not None:
-                    _state["kernel"], _state["path"] = _load(path), path
+                function = None if path is None else _load(path)
+                if function is not None:
+                    _state["kernel"], _state["path"] = function, path
         return _state["kernel"]
 
 
@@ -152,19 +162,22 @@ def _build() -> Path | None:
 
 
 def _load(path: Path):
-    function = ctypes.CDLL(str(path)).vkv_paged_decode_f32
+    """The C function of the library at ``path``; None if it does not load."""
+    try:
+        function = ctypes.CDLL(str(path)).vkv_paged_decode_f32
+    except (OSError, AttributeError):
+        return None
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer] * 6 + [int64] * 6 + [ctypes.c_float]
-    function.restype = None
+    function.argtypes = [pointer] * 6 + [int64] * 7 + [ctypes.c_float]
+    function.restype = ctypes.c_int
     return function
 
 
 def _cpu_name() -> str:
     """The CPU model, so that a library built with -march=native is not reused elsewhere."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return platform.machine() + line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.machine() + platform.processor()
+        return platform.machine() + platform.processor()
+    described = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return platform.machine() + "\n".join(described)

@@ -93,6 +93,18 @@ static inline float exp_nonpositive(float x) {
     return (p * r * r + r + 1.0f) * two_to_k.value;
 }
 
+/* Whether the table covers the context with blocks of the cache. */
+static int valid_table(const int32_t *table, int64_t context, int64_t block_size,
+                       int64_t table_width, int64_t num_blocks) {
+    const int64_t blocks = (context + block_size - 1) / block_size;
+    if (context < 1 || blocks > table_width)
+        return 0;
+    for (int64_t b = 0; b < blocks; ++b)
+        if (table[b] < 0 || table[b] >= num_blocks)
+            return 0;
+    return 1;
+}
+
 static void prefetch_block(const float *k_cache, const float *v_cache, int64_t offset,
                            int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) { /* a cache line holds 16 floats */
@@ -101,14 +113,18 @@ static void prefetch_block(const float *k_cache, const float *v_cache, int64_t o
     }
 }
 
-void vkv_paged_decode_f32(const float *query, const float *k_cache, const float *v_cache,
-                          const int32_t *block_tables, const int32_t *context_lens, float *out,
-                          int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t block_size, int64_t table_width,
-                          float scale) {
+/* Returns 0, or -1 if a sequence's context is longer than its table or its table names a block
+ * outside the cache: that sequence's output is then left unwritten (nothing is read out of
+ * bounds). */
+int vkv_paged_decode_f32(const float *query, const float *k_cache, const float *v_cache,
+                         const int32_t *block_tables, const int32_t *context_lens, float *out,
+                         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, int64_t table_width, int64_t num_blocks,
+                         float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
+    int status = 0;
 
     /* one sequence per iteration: its blocks are read whole, by one thread, once */
 #pragma omp parallel for schedule(dynamic)
@@ -118,6 +134,11 @@ void vkv_paged_decode_f32(const float *query, const float *k_cache, const float 
         const int32_t *table = block_tables + seq * table_width;
         const int64_t context = context_lens[seq];
         const float *q = query + seq * num_heads * head_dim;
+        if (!valid_table(table, context, block_size, table_width, num_blocks)) {
+#pragma omp atomic write
+            status = -1;
+            continue;
+        }
         for (int64_t h = 0; h < num_heads; ++h) {
             running_max[h] = -INFINITY;
             total[h] = 0.0f;
@@ -162,4 +183,5 @@ void vkv_paged_decode_f32(const float *query, const float *k_cache, const float 
             for (int64_t d = 0; d < head_dim; ++d)
                 o[h * head_dim + d] = acc[h][d] / total[h];
     }
+    return status;
 }
