@@ -142,3 +142,19 @@ def test_a_table_that_does_not_cover_its_context_is_refused(table, context):
             torch.tensor([context], dtype=torch.int32),
             0.3,
         )
+
+
+@needs_kernel
+def test_a_cache_directory_that_cannot_be_written_builds_in_a_private_one(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the directory should be: mkdir fails
+    program = (
+        "from vkv.kernels import cpu_attention\n"
+        "path = cpu_attention.kernel_path()\n"
+        "assert path is not None and 'vkv-' in str(path.parent), path\n"
+    )
+    environment = dict(os.environ, VKV_CACHE_DIR=str(blocked / "cache"))
+    done = subprocess.run(
+        [sys.executable, "-c", program], env=environment, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr

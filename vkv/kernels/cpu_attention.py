@@ -131,12 +131,16 @@ def _kernel():
 
 
 def _build() -> Path | None:
-    """Compile ``SOURCE`` into the cache directory (once), or None without a working compiler."""
+    """Compile ``SOURCE`` into the cache directory (once), or None without a working compiler.
+
+    When the cache directory cannot be written (a read-only home), the library is built in a
+    private temporary directory for this process alone (never in a shared one, whose files
+    another user could have planted)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
-    cache = Path(os.environ.get("VKV_CACHE_DIR", Path.home() / ".cache" / "vkv"))
     source = SOURCE.read_bytes()
+    cache = Path(os.environ.get("VKV_CACHE_DIR", Path.home() / ".cache" / "vkv"))
     for flags in FLAG_SETS:
         key = hashlib.sha256(
             b"\0".join([source, " ".join(flags).encode(), compiler.encode(), _cpu_name().encode()])
@@ -145,8 +149,13 @@ def _build() -> Path | None:
         if target.exists():
             return target
         try:
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as scratch:
+            try:
+                cache.mkdir(parents=True, exist_ok=True)
+                folder = cache
+            except OSError:
+                folder = Path(tempfile.mkdtemp(prefix="vkv-"))
+                target = folder / target.name
+            with tempfile.TemporaryDirectory(dir=folder) as scratch:
                 built = Path(scratch) / target.name
                 subprocess.run(
                     [compiler, *flags, "-fPIC", "-shared", "-o", str(built), str(SOURCE), "-lm"],
