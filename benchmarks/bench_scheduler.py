@@ -23,6 +23,7 @@ import gc
 import importlib
 import json
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -143,14 +144,10 @@ def _counting(scheduler_class: type) -> type:
 
 
 def _git_revision(checkout: Path) -> str:
-    head = checkout / ".git" / "HEAD"
-    if not head.is_file():
-        return "unknown revision"
-    ref = head.read_text().strip()
-    if ref.startswith("ref: "):
-        target = checkout / ".git" / ref[5:]
-        return target.read_text().strip()[:7] if target.is_file() else ref[5:]
-    return ref[:7]
+    done = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return done.stdout.strip() if done.returncode == 0 else "unknown revision"
 
 
 def main() -> None:

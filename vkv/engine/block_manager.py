@@ -208,8 +208,7 @@ class BlockManager:
         """Whether ``append_slot(seq)`` would find the block it may need (no watermark here)."""
         ### BEGIN SOLUTION part1.3
         self._require_device(seq, Device.GPU)
-        needed = self._blocks_to_append(seq)
-        return needed == 0 or needed <= self.num_free_gpu_blocks
+        return self._blocks_to_append(seq) <= self.num_free_gpu_blocks
         ### END SOLUTION
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
