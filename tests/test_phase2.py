@@ -1717,8 +1717,9 @@ def test_part4_a_swapped_group_that_can_never_come_back_is_ignored_whole():
     s, old, parent, child = with_a_group("swap")
     s.postprocess(s.schedule().scheduled, [TOKEN])  # the group is swapped out: 2 CPU blocks
     s.abort(old.seq_id)  # the GPU pool of 4 is free
-    parent.token_ids += [TOKEN, TOKEN]  # 9 tokens in blocks for 8: its next step needs a block
-    child.token_ids += [TOKEN, TOKEN]  # the same
+    for seq in (parent, child):  # 9 tokens in blocks for 8: the next step of each needs a block
+        seq.append_token(TOKEN)
+        seq.append_token(TOKEN)
     s.block_manager.watermark_blocks = 1  # the group needs 2 + 2 blocks: NEVER with 1 kept free
     out = s.schedule()
     assert [item.seq for item in out.ignored] == [parent, child] and not s.swapped, (

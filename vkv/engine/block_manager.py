@@ -221,18 +221,21 @@ class BlockManager:
         "sequence 1 needs a GPU block and none is free".
         """
         ### BEGIN SOLUTION part1.3
-        self._require_device(seq, Device.GPU)
-        if self._blocks_to_append(seq) == 0:
-            return None  # the token fits in its last block, which no other sequence holds
-        if self.num_free_gpu_blocks == 0:
+        # The contract check of every decode, written out: the allocator's ``device`` is an
+        # attribute read, where ``Device.GPU`` is a slow Enum lookup on Python 3.11.
+        if self._device_of.get(seq.seq_id) is not self.gpu_allocator.device:
+            self._require_device(seq, Device.GPU)  # raises: its blocks are not on the GPU
+        table, last = seq.block_table, self.gpu_allocator.blocks[seq.block_table[-1]]
+        if seq.num_tokens <= len(table) * self.block_size and last.ref_count == 1:
+            return None  # most decodes: the token fits in its last block, which it holds alone
+        if self._blocks_to_append(seq) > self.num_free_gpu_blocks:  # 1, or raises: 2+ past
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs a GPU block and none is free")
-        if seq.num_tokens > len(seq.block_table) * self.block_size:
-            seq.block_table.append(self.gpu_allocator.allocate().block_id)
+        if seq.num_tokens > len(table) * self.block_size:
+            table.append(self.gpu_allocator.allocate().block_id)
             return None
-        last = self.gpu_allocator.blocks[seq.block_table[-1]]
         copy = self.gpu_allocator.allocate()
         self.gpu_allocator.free(last)
-        seq.block_table[-1] = copy.block_id
+        table[-1] = copy.block_id
         return last.block_id, copy.block_id
         ### END SOLUTION
 

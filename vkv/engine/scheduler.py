@@ -364,6 +364,7 @@ class Scheduler:
         queue = deque(self.running)
         kept: list[Sequence] = []
         unfinished_prefills: list[Sequence] = []
+        scheduled = out.scheduled
         while queue:
             seq = queue.popleft()
             if seq.is_prefill:
@@ -377,7 +378,7 @@ class Scheduler:
                     break
             else:
                 kept.append(seq)
-                out.scheduled.append(ScheduledSequence(seq, 1, False))
+                scheduled.append(ScheduledSequence(seq, 1, False))
         budget.add(len(kept) - len(unfinished_prefills), 0)
         self.running = kept
         if unfinished_prefills:
@@ -429,7 +430,7 @@ class Scheduler:
         finished = []
         for item, token_id in zip(scheduled, token_ids, strict=True):
             seq = item.seq
-            if seq.is_finished:
+            if seq.status.is_finished:  # aborted since schedule
                 continue
             seq.num_computed_tokens += item.num_tokens
             if seq.num_computed_tokens < seq.num_tokens:
@@ -441,7 +442,7 @@ class Scheduler:
                 self._finish(seq, status)
                 finished.append(seq)
         if finished:
-            self.running = [seq for seq in self.running if not seq.is_finished]
+            self.running = [seq for seq in self.running if not seq.status.is_finished]
         return finished
         ### END SOLUTION
 

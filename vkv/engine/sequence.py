@@ -56,6 +56,9 @@ class Sequence:
     - ``status``: ``SequenceStatus.WAITING``.
     - ``token_ids``: a copy of the prompt (a new list; the caller's list is never changed).
     - ``num_prompt_tokens``: the prompt's length.
+    - ``num_tokens``: prompt plus completion tokens, the prompt's length to start with;
+      ``append_token`` adds one. A counter, not a property that recounts ``token_ids``: the
+      scheduler reads it several times per token (nano-vLLM keeps it so too).
     - ``block_size``: tokens per block.
     - ``block_table``: ``[]``, physical block ids, filled by the BlockManager.
     - ``sampling_params``: the given ones, or ``SamplingParams()``.
@@ -92,6 +95,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        self.num_tokens = self.num_prompt_tokens
         self.block_size = block_size
         self.block_table: list[int] = []
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
@@ -110,13 +114,6 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence(seq_id={self.seq_id}, status={self.status.name}, tokens={len(self)})"
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus completion tokens."""
-        ### BEGIN SOLUTION part1.1
-        return len(self.token_ids)
-        ### END SOLUTION
 
     @property
     def num_completion_tokens(self) -> int:
@@ -184,7 +181,7 @@ class Sequence:
         ### END SOLUTION
 
     def append_token(self, token_id: int) -> None:
-        """Append one generated token.
+        """Append one generated token (``num_tokens`` grows by one).
 
         Raises ``ValueError`` if the sequence is finished; it is left unchanged. The message
         names the sequence and its status, for sequence 3 in FINISHED_STOPPED:
@@ -196,4 +193,5 @@ class Sequence:
                 f"sequence {self.seq_id} is {self.status.name}: a finished sequence takes no tokens"
             )
         self.token_ids.append(token_id)
+        self.num_tokens += 1
         ### END SOLUTION
