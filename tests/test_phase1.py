@@ -919,6 +919,28 @@ def test_part3_append_slot_requires_the_sequence_on_the_gpu():
         bm.append_slot(make_seq(1, 2, 2))
 
 
+def test_part3_append_slot_refuses_a_sequence_whose_blocks_are_on_the_cpu():
+    # swap_out (part 1.4) would move the blocks; _device_of (the constructor's docstring) is
+    # what it records, so set it as swap_out would and keep this test to part 1.3
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    seq = make_seq(1, 5, 4)
+    bm.allocate(seq)
+    bm._device_of[seq.seq_id] = Device.CPU
+    message = (
+        r"\bsequence 1 has its blocks on the cpu; this operation needs its blocks on the gpu\b"
+    )
+    for more in (0, 4):  # 5 tokens: the newest fits in its last block; 9: it opens a block
+        for _ in range(more):
+            seq.append_token(1)
+        counts, table = pool_counts(bm), list(seq.block_table)
+        with pytest.raises(ValueError, match=message):
+            bm.append_slot(seq)
+        assert (pool_counts(bm), seq.block_table) == (counts, table), (
+            "append_slot on a sequence whose blocks are on the CPU changes nothing: counts "
+            f"{counts} and table {table} before, {pool_counts(bm)} and {seq.block_table} after"
+        )
+
+
 def test_part3_fork_shares_every_block_without_allocating():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
     parent, child = make_seq(1, 6, 4), make_seq(2, 6, 4)
