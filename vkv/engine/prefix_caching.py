@@ -121,7 +121,8 @@ class PrefixCachingBlockManager(BlockManager):
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Phase 1's ``append_slot``; at a sequence's first decode, its computed blocks are merged
         into the tree first (if no admission did it)."""
-        self._require_device(seq, Device.GPU)
+        if self._device_of.get(seq.seq_id) is not self.gpu_allocator.device:  # as Phase 1's
+            self._require_device(seq, Device.GPU)  # raises: its blocks are not on the GPU
         if seq.seq_id in self._unmerged:
             self._merge(seq)
         needed = self._blocks_to_append(seq)
