@@ -138,21 +138,27 @@ class RadixCache:
     def _child(self, node: TreeNode, token_ids: Sequence[int], index: int) -> TreeNode | None:
         """The child of ``node`` whose edge starts with block ``index`` of ``token_ids``, tokens
         compared (a hash collision is a miss); given."""
-        digest = self.hash_function(node.last_hash, self._block(token_ids, index))
-        child = node.children.get(digest)
-        if child is None or child.key[: self.block_size] != self._block(token_ids, index):
+        block = self._block(token_ids, index)
+        child = node.children.get(self.hash_function(node.last_hash, block))
+        if child is None or child.key[: self.block_size] != block:
             return None
         return child
 
     def _shared_blocks(self, node: TreeNode, token_ids: Sequence[int], start: int, limit: int):
         """How many leading blocks of ``node``'s edge equal blocks ``start``, ``start + 1``, ...
-        of ``token_ids``, at most ``limit`` (given)."""
-        count = 0
-        while count < min(limit, len(node.blocks)):
-            if self._block(node.key, count) != self._block(token_ids, start + count):
-                break
-            count += 1
-        return count
+        of ``token_ids``, at most ``limit`` (given). Most runs match whole: one comparison of
+        the whole run first, block by block only when it differs."""
+        size, count = self.block_size, min(limit, len(node.blocks))
+        theirs = list(token_ids[start * size : (start + count) * size])
+        if node.key[: count * size] == theirs:
+            return count
+        shared = 0
+        while (
+            node.key[shared * size : (shared + 1) * size]
+            == theirs[shared * size : (shared + 1) * size]
+        ):
+            shared += 1
+        return shared
 
     def _touch(self, node: TreeNode) -> None:
         """Stamp ``node`` and its ancestors but the root as used now (given)."""
