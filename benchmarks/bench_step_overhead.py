@@ -1,0 +1,161 @@
+"""Where a full decode step's time goes outside the model, phase by phase.
+
+``vkv bench e2e`` reports one figure, the share of step time outside the model's forward in decode
+steps of ``max_num_seqs`` sequences. This script splits that time: vkv-tiny serves the same 64
+requests (windows of the pinned corpus, greedy, ``ignore_eos``) while every phase of
+``LLMEngine.step`` is timed:
+
+    schedule      Scheduler.schedule
+    block maps    ModelRunner.apply_block_maps (swaps and copies on write)
+    prepare       ModelRunner.prepare (token ids, positions, slots, block tables as tensors)
+    forward       the model (what the engine counts as model time also holds the gather of each
+                  sequence's last logits)
+    execute rest  the rest of ModelRunner.execute: per-layer cache views, sampling
+    postprocess   Scheduler.postprocess
+    detokenize    LLMEngine._output (incremental detokenizer, RequestOutput)
+    metrics       LLMEngine._record (the Prometheus StatLogger)
+    other         what is left of the step (the step's stats, bookkeeping)
+
+Only decode steps of a full batch count. Each round is one whole run; the table gives, per phase,
+the median over the rounds of its mean microseconds per step and its share of the step. The
+timers cost about half a microsecond a timed call (``_output`` is called once per sequence), so
+the steps here run a little slower than in ``vkv bench e2e``, whose share is the reference.
+
+    uv run python benchmarks/bench_step_overhead.py [--rounds 3] [--out DIR]
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from vkv.bench import Workload, is_full_decode, run_vkv
+from vkv.engine.llm_engine import LLMEngine
+from vkv.models.loader import DEFAULT_MODEL
+
+PHASES = ["schedule", "block maps", "prepare", "forward", "execute rest", "postprocess"]
+PHASES += ["detokenize", "metrics", "other"]
+
+
+class PhaseTimer:
+    """Wraps methods of one engine's parts with timers that add up each phase's seconds."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds: dict[str, float] = {}
+        runner = engine.runner
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(runner, "apply_block_maps", "block maps")
+        self._wrap(runner, "prepare", "prepare")
+        self._wrap(runner.model, "forward", "forward")
+        self._wrap(runner, "execute", "execute")
+        self._wrap(engine.scheduler, "postprocess", "postprocess")
+        self._wrap(engine, "_output", "detokenize")
+        self._wrap(engine, "_record", "metrics")
+
+    def _wrap(self, owner: object, name: str, phase: str) -> None:
+        method: Callable = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + (time.perf_counter() - started)
+
+        setattr(owner, name, timed)  # an instance attribute: the class is left as it was
+
+    def step_phases(self, step_seconds: float) -> dict[str, float]:
+        """The phases of the step just run (execute's own time less prepare and forward; what
+        no phase covers is "other"); then start over."""
+        seconds = {phase: self.seconds.get(phase, 0.0) for phase in PHASES if phase != "other"}
+        execute = self.seconds.get("execute", 0.0)
+        seconds["execute rest"] = execute - seconds["prepare"] - seconds["forward"]
+        seconds["other"] = step_seconds - sum(seconds.values())
+        self.seconds = {}
+        return seconds
+
+
+def measure_round(engine: LLMEngine, timer: PhaseTimer, workload: Workload) -> dict:
+    """One whole run: each phase's mean microseconds per full decode step, the step's mean, and
+    the share outside the model as ``vkv bench e2e`` computes it."""
+    full_batch = engine.config.max_num_seqs
+    totals = dict.fromkeys(PHASES, 0.0)
+    steps = step_total = model_total = 0.0
+    step = engine.step
+
+    def timed_step():
+        outputs = step()
+        stats = engine.stats
+        phases = timer.step_phases(stats["step_seconds"])
+        if is_full_decode(stats, full_batch):
+            nonlocal steps, step_total, model_total
+            steps += 1
+            step_total += stats["step_seconds"]
+            model_total += stats["model_seconds"]
+            for phase, seconds in phases.items():
+                totals[phase] += seconds
+        return outputs
+
+    timer.seconds = {}  # nothing from before the run
+    engine.step = timed_step
+    try:
+        run_vkv(engine, workload)
+    finally:
+        del engine.step
+    if not steps:
+        raise ValueError("the workload never ran a full decode step")
+    return {
+        "steps": int(steps),
+        "step_us": step_total / steps * 1e6,
+        "outside_model": 1.0 - model_total / step_total,
+        "phases_us": {phase: seconds / steps * 1e6 for phase, seconds in totals.items()},
+    }
+
+
+def measure(engine: LLMEngine, workload: Workload, rounds: int) -> dict:
+    """``rounds`` runs after a warm-up; medians of each figure over the rounds."""
+    timer = PhaseTimer(engine)
+    run_vkv(engine, Workload(workload.prompts[:2], [4, 4]))
+    results = [measure_round(engine, timer, workload) for _ in range(rounds)]
+    return {
+        "rounds": rounds,
+        "steps": results[0]["steps"],
+        "step_us": statistics.median(r["step_us"] for r in results),
+        "outside_model": statistics.median(r["outside_model"] for r in results),
+        "phases_us": {
+            phase: statistics.median(r["phases_us"][phase] for r in results) for phase in PHASES
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=64, device="cpu")
+    workload = Workload.mixed(lambda text: engine.tokenizer.encode(text).ids)
+    summary = measure(engine, workload, args.rounds)
+    step = summary["step_us"]
+    table = Table(
+        title=f"Decode steps of 64 sequences ({summary['steps']} a run), median of {args.rounds}"
+    )
+    for column in ("phase", "us per step", "share of the step"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase, micros in summary["phases_us"].items():
+        table.add_row(phase, f"{micros:,.0f}", f"{micros / step:.1%}")
+    table.add_row("step", f"{step:,.0f}", "100%")
+    console = Console(width=100)
+    console.print(table)
+    console.print(f"outside the model (as vkv bench e2e counts it): {summary['outside_model']:.1%}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_step_overhead.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The step-overhead benchmark: its phases account for the whole step, on a small workload."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_step_overhead
+import pytest
+
+from vkv.bench import Workload
+from vkv.engine.llm_engine import LLMEngine
+from vkv.models.loader import DEFAULT_MODEL
+
+
+@pytest.fixture(scope="module")
+def summary():
+    engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=4, device="cpu")
+    workload = Workload.mixed(
+        lambda text: engine.tokenizer.encode(text).ids,
+        num_requests=4,
+        prompt_lens=(8, 16),
+        output_lens=(12, 16),
+    )
+    return bench_step_overhead.measure(engine, workload, rounds=2), engine
+
+
+def test_every_phase_is_timed_and_they_add_up_to_the_step(summary):
+    result, _ = summary
+    phases = result["phases_us"]
+    assert list(phases) == bench_step_overhead.PHASES
+    assert result["steps"] >= 10, "4 requests of at least 12 tokens decode as a full batch"
+    for phase in ("schedule", "prepare", "forward", "postprocess", "detokenize", "metrics"):
+        assert phases[phase] > 0, f"{phase} was not timed"
+    assert 0 <= phases["execute rest"] and abs(phases["other"]) < 0.2 * result["step_us"], (
+        f"the timed phases cover most of the step: {phases}, step {result['step_us']:.0f} us"
+    )
+    assert phases["forward"] > max(v for k, v in phases.items() if k != "forward")
+
+
+def test_the_engine_is_left_as_it_was(summary):
+    _, engine = summary
+    assert "step" not in vars(engine), "the timed step is removed after each round"
