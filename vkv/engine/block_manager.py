@@ -228,7 +228,8 @@ class BlockManager:
         table, last = seq.block_table, self.gpu_allocator.blocks[seq.block_table[-1]]
         if seq.num_tokens <= len(table) * self.block_size and last.ref_count == 1:
             return None  # most decodes: the token fits in its last block, which it holds alone
-        if self._blocks_to_append(seq) > self.num_free_gpu_blocks:  # 1, or raises: 2+ past
+        # a new or a copied block: 1 here (``_blocks_to_append`` raises for 2+ tokens past)
+        if self._blocks_to_append(seq) > self.num_free_gpu_blocks:
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs a GPU block and none is free")
         if seq.num_tokens > len(table) * self.block_size:
             table.append(self.gpu_allocator.allocate().block_id)
