@@ -225,7 +225,8 @@ class BlockManager:
         # attribute read, where ``Device.GPU`` is a slow Enum lookup on Python 3.11.
         if self._device_of.get(seq.seq_id) is not self.gpu_allocator.device:
             self._require_device(seq, Device.GPU)  # raises: its blocks are not on the GPU
-        table, last = seq.block_table, self.gpu_allocator.blocks[seq.block_table[-1]]
+        table = seq.block_table
+        last = self.gpu_allocator.blocks[table[-1]]
         if seq.num_tokens <= len(table) * self.block_size and last.ref_count == 1:
             return None  # most decodes: the token fits in its last block, which it holds alone
         # a new or a copied block: 1 here (``_blocks_to_append`` raises for 2+ tokens past)
