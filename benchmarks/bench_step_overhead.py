@@ -84,21 +84,14 @@ def measure_round(engine: LLMEngine, timer: PhaseTimer, workload: Workload) -> d
     """One whole run: each phase's mean microseconds per full decode step, the step's mean, and
     the share outside the model as ``vkv bench e2e`` computes it."""
     full_batch = engine.config.max_num_seqs
-    totals = dict.fromkeys(PHASES, 0.0)
-    steps = step_total = model_total = 0.0
+    full_steps: list[tuple[dict, dict]] = []  # (the engine's stats, the phases) of each
     step = engine.step
 
     def timed_step():
         outputs = step()
-        stats = engine.stats
-        phases = timer.step_phases(stats["step_seconds"])
-        if is_full_decode(stats, full_batch):
-            nonlocal steps, step_total, model_total
-            steps += 1
-            step_total += stats["step_seconds"]
-            model_total += stats["model_seconds"]
-            for phase, seconds in phases.items():
-                totals[phase] += seconds
+        phases = timer.step_phases(engine.stats["step_seconds"])
+        if is_full_decode(engine.stats, full_batch):
+            full_steps.append((engine.stats, phases))
         return outputs
 
     timer.seconds = {}  # nothing from before the run
@@ -107,13 +100,18 @@ def measure_round(engine: LLMEngine, timer: PhaseTimer, workload: Workload) -> d
         run_vkv(engine, workload)
     finally:
         del engine.step
-    if not steps:
+    if not full_steps:
         raise ValueError("the workload never ran a full decode step")
+    count = len(full_steps)
+    step_total = sum(stats["step_seconds"] for stats, _ in full_steps)
+    model_total = sum(stats["model_seconds"] for stats, _ in full_steps)
     return {
-        "steps": int(steps),
-        "step_us": step_total / steps * 1e6,
+        "steps": count,
+        "step_us": step_total / count * 1e6,
         "outside_model": 1.0 - model_total / step_total,
-        "phases_us": {phase: seconds / steps * 1e6 for phase, seconds in totals.items()},
+        "phases_us": {
+            phase: sum(phases[phase] for _, phases in full_steps) / count * 1e6 for phase in PHASES
+        },
     }
 
 
