@@ -12,7 +12,8 @@ checkout: ``git clone https://github.com/GeeeekExplorer/nano-vllm PATH``; nothin
 copied here) nano-vLLM's own ``Scheduler``, ``BlockManager`` and ``Sequence`` run the same trace
 in this process, interleaved with vkv's runs round by round; the table gives each side's median
 loop time, the steps and preemptions of each (equal numbers: the same schedule) and the ratio
-vkv / nano-vLLM. nano-vLLM always caches prefixes (it hashes every full block); its modules
+vkv / nano-vLLM; a second table splits each side's time between ``schedule`` and
+``postprocess``. nano-vLLM always caches prefixes (it hashes every full block); its modules
 import ``xxhash``, ``numpy`` and ``transformers``, all in this project's dev environment.
 
     uv run python benchmarks/bench_scheduler.py [--vs-nano-vllm PATH] [--rounds 5] [--seqs 512]
@@ -67,24 +68,42 @@ def run_once(
     for seq in make_sequences(nanovllm_trace(num_seqs), block_size):
         scheduler.add(seq)
 
-    def step() -> int:
+    def schedule():
         out = scheduler.schedule()
-        scheduler.postprocess(out.scheduled, [STAND_IN_TOKEN] * len(out.scheduled))
-        return len(out.scheduled)
+        return out.scheduled, len(out.scheduled)
 
-    return _timed(step, scheduler.is_finished, lambda: scheduler.num_preemptions)
+    def postprocess(scheduled) -> None:
+        scheduler.postprocess(scheduled, [STAND_IN_TOKEN] * len(scheduled))
+
+    return _timed(schedule, postprocess, scheduler.is_finished, lambda: scheduler.num_preemptions)
 
 
-def _timed(step: Callable[[], int], done: Callable[[], bool], preemptions: Callable[[], int]):
+def _timed(
+    schedule: Callable[[], tuple[object, int]],
+    postprocess: Callable[[object], None],
+    done: Callable[[], bool],
+    preemptions: Callable[[], int],
+) -> dict:
+    """Run the loop to the end: its seconds, and the seconds in ``schedule`` (which returns a
+    step's batch and how many sequences it holds) and in ``postprocess`` (of that batch)."""
     gc.collect()
     steps = scheduled = 0
+    schedule_seconds = postprocess_seconds = 0.0
     start = time.perf_counter()
     while not done():
-        scheduled += step()
+        began = time.perf_counter()
+        batch, size = schedule()
+        scheduled_at = time.perf_counter()
+        postprocess(batch)
+        schedule_seconds += scheduled_at - began
+        postprocess_seconds += time.perf_counter() - scheduled_at
+        scheduled += size
         steps += 1
     elapsed = time.perf_counter() - start
     return {
         "seconds": elapsed,
+        "schedule_seconds": schedule_seconds,
+        "postprocess_seconds": postprocess_seconds,
         "steps": steps,
         "preemptions": preemptions(),
         "us_per_seq_step": elapsed / scheduled * 1e6,
@@ -122,12 +141,17 @@ class NanoVllm:
             params = self.sampling.SamplingParams(max_tokens=request.output_len, ignore_eos=True)
             scheduler.add(self.sequence.Sequence(prompt, params))
 
-        def step() -> int:
+        def schedule():
             seqs, is_prefill = scheduler.schedule()
-            scheduler.postprocess(seqs, [STAND_IN_TOKEN] * len(seqs), is_prefill)
-            return len(seqs)
+            return (seqs, is_prefill), len(seqs)
 
-        return _timed(step, scheduler.is_finished, lambda: scheduler.num_preemptions)
+        def postprocess(batch) -> None:
+            seqs, is_prefill = batch
+            scheduler.postprocess(seqs, [STAND_IN_TOKEN] * len(seqs), is_prefill)
+
+        return _timed(
+            schedule, postprocess, scheduler.is_finished, lambda: scheduler.num_preemptions
+        )
 
 
 def _counting(scheduler_class: type) -> type:
@@ -177,6 +201,7 @@ def main() -> None:
     if nano is not None:
         title += f" (nano-vLLM {nano.revision})"
     console.print(_table(summary, list(sides), title))
+    console.print(_split_table(summary, list(sides)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_scheduler.json").write_text(json.dumps(summary, indent=2))
 
@@ -189,6 +214,8 @@ def _summarize(runs: dict[tuple[str, str], list[dict]], sides: dict) -> dict:
             results = runs[(name, side)]
             row[side] = {
                 "median_s": statistics.median(r["seconds"] for r in results),
+                "schedule_s": statistics.median(r["schedule_seconds"] for r in results),
+                "postprocess_s": statistics.median(r["postprocess_seconds"] for r in results),
                 "steps": sorted({r["steps"] for r in results}),
                 "preemptions": sorted({r["preemptions"] for r in results}),
                 "us_per_seq_step": statistics.median(r["us_per_seq_step"] for r in results),
@@ -224,6 +251,21 @@ def _table(summary: dict, sides: list[str], title: str) -> Table:
             base = row["nano-vLLM"]["median_s"]
             cells += [f"{row[side]['median_s'] / base:.2f}x" for side in sides[:2]]
         table.add_row(*cells)
+    return table
+
+
+def _split_table(summary: dict, sides: list[str]) -> Table:
+    """Where each side's loop time goes: median milliseconds in ``schedule`` and in
+    ``postprocess`` (the rest of the loop, checking whether it is done, is negligible)."""
+    table = Table(title="Median ms in schedule / postprocess")
+    table.add_column("configuration")
+    for side in sides:
+        table.add_column(side, justify="right")
+    for name, row in summary.items():
+        cells = [
+            f"{row[s]['schedule_s'] * 1e3:.0f} / {row[s]['postprocess_s'] * 1e3:.0f}" for s in sides
+        ]
+        table.add_row(name, *cells)
     return table
 
 
