@@ -38,8 +38,17 @@ from vkv.bench import Workload, is_full_decode, run_vkv
 from vkv.engine.llm_engine import LLMEngine
 from vkv.models.loader import DEFAULT_MODEL
 
-PHASES = ["schedule", "block maps", "prepare", "forward", "execute rest", "postprocess"]
-PHASES += ["detokenize", "metrics", "other"]
+PHASES = [
+    "schedule",
+    "block maps",
+    "prepare",
+    "forward",
+    "execute rest",
+    "postprocess",
+    "detokenize",
+    "metrics",
+    "other",
+]
 
 
 class PhaseTimer:
