@@ -30,6 +30,7 @@ its grid is known: a partial block's keys wait in full precision in a ``KeyResid
 (``key_residual.py``), which the same swaps and copies keep with their blocks.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -204,6 +205,12 @@ class CacheEngine:
             torch.zeros(size, dtype=dtype, pin_memory=pinned)
             for size, dtype in shape.planes(num_cpu_blocks)
         ]
+        self._plain_layers = None  # a plain cache's per-layer views never change: made once
+        if not shape.quantized:
+            self._plain_layers = tuple(
+                (self.gpu_cache[0, index], self.gpu_cache[1, index])
+                for index in range(shape.num_layers)
+            )
         self.residual: KeyResidual | None = None
         if shape.per_channel_keys:
             if residual_slots < 1:
@@ -232,8 +239,8 @@ class CacheEngine:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedCache, ...]:
         """Layer ``index``'s key and value caches, ``[num_blocks, block_size, heads, dim]``
         (quantized: a ``QuantizedCache`` each; keys per channel with the step's residual plan)."""
-        if not self.shape.quantized:
-            return self.gpu_cache[0, index], self.gpu_cache[1, index]
+        if self._plain_layers is not None:
+            return self._plain_layers[index]
         codes, k_scale, k_zero, v_scale, v_zero = (plane[:, index] for plane in self.gpu_planes)
         bits = self.shape.bits
         values = QuantizedCache(codes[1], v_scale[0], v_zero[0], bits)
@@ -250,6 +257,12 @@ class CacheEngine:
             residual.current,
         )
         return keys, values
+
+    def layers(self) -> Sequence[tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedCache, ...]]:
+        """Every layer's caches (``layer``), in order."""
+        if self._plain_layers is not None:
+            return self._plain_layers
+        return [self.layer(index) for index in range(self.shape.num_layers)]
 
     def plan_step(self, slots: list[int]) -> None:
         """Before the model runs over tokens stored at ``slots``: plan the key residual's

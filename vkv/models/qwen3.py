@@ -10,6 +10,7 @@ where its K/V go (``slot_mapping``) and which cached blocks each sequence reads.
 ``vkv.kernels.triton_attention``.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -197,7 +198,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         backend: ModuleType,
     ) -> torch.Tensor:
