@@ -120,15 +120,17 @@ class PrefixCachingBlockManager(BlockManager):
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Phase 1's ``append_slot``; at a sequence's first decode, its computed blocks are merged
-        into the tree first (if no admission did it)."""
+        into the tree first (if no admission did it), and a token that needs a block (a new one,
+        or a copy of the shared last one) first makes room for it."""
         if self._device_of.get(seq.seq_id) is not self.gpu_allocator.device:  # as Phase 1's
             self._require_device(seq, Device.GPU)  # raises: its blocks are not on the GPU
         if seq.seq_id in self._unmerged:
             self._merge(seq)
-        needed = self._blocks_to_append(seq)
-        if needed == 0:
-            return None  # the token fits in its unshared last block: nothing to allocate
-        self._make_room(needed)
+        table = seq.block_table
+        last = self.gpu_allocator.blocks[table[-1]]
+        if seq.num_tokens <= len(table) * self.block_size and last.ref_count == 1:
+            return None  # Phase 1's common case, checked here as there: nothing to allocate
+        self._make_room(self._blocks_to_append(seq))
         return super().append_slot(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
