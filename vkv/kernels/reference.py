@@ -32,7 +32,9 @@ def store_kvcache(
 
     A slot of -1 (padding) is skipped.
     """
-    keep = slot_mapping >= 0
+    keep = slice(None)  # every token: no padding (the engine's steps), no mask to apply
+    if len(slot_mapping) and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     if isinstance(k_cache, QuantizedCache):
         if k_cache.per_channel:

@@ -10,6 +10,7 @@ where its K/V go (``slot_mapping``) and which cached blocks each sequence reads.
 ``vkv.kernels.triton_attention``.
 """
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -83,13 +84,21 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+@functools.cache
+def inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """``theta ** (-2i / head_dim)`` for each rotating pair ``i``, in fp32 (the same every step:
+    computed once per model shape and device)."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+    return 1.0 / theta ** (exponents / head_dim)
+
+
 def rotary_angles(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine of each position's rotary angles, ``[tokens, 1, head_dim]`` each (the
     half-split convention: dimension ``i`` and ``i + head_dim / 2`` rotate together)."""
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
-    angles = positions.float()[:, None] * (1.0 / theta ** (exponents / head_dim))[None, :]
+    frequencies = inverse_frequencies(head_dim, theta, positions.device)
+    angles = positions.float()[:, None] * frequencies[None, :]
     angles = torch.cat([angles, angles], -1)[:, None, :]
     return angles.cos(), angles.sin()
 
@@ -159,7 +168,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        """``down(silu(gate(x)) * up(x))``, the activation written over the gate's output (a
+        prefill's are megabytes: no new tensor to allocate and fill)."""
+        gate = self.gate_proj(x)
+        nn.functional.silu(gate, inplace=True)
+        return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
