@@ -8,9 +8,9 @@ requests (windows of the pinned corpus, greedy, ``ignore_eos``) while every phas
     schedule      Scheduler.schedule
     block maps    ModelRunner.apply_block_maps (swaps and copies on write)
     prepare       ModelRunner.prepare (token ids, positions, slots, block tables as tensors)
-    forward       the model (what the engine counts as model time also holds the gather of each
-                  sequence's last logits)
-    execute rest  the rest of ModelRunner.execute: per-layer cache views, sampling
+    forward       the model (the engine's model time also holds, in a step with a prefill, the
+                  gather of each sequence's last logits; a decode step has one row each)
+    execute rest  the rest of ModelRunner.execute: the per-layer caches, sampling
     postprocess   Scheduler.postprocess
     detokenize    LLMEngine._output (incremental detokenizer, RequestOutput)
     metrics       LLMEngine._record (the Prometheus StatLogger)

@@ -1217,6 +1217,22 @@ def test_part3_slot_mapping_follows_the_block_table():
     assert bm.get_slot_mapping(seq, 3, 3) == [], "an empty range [3, 3) maps to no slot"
 
 
+def test_part3_slot_mapping_needs_the_blocks_on_the_gpu_even_for_an_empty_range():
+    # where a sequence's blocks are is checked first, whatever the range; the CPU holding is
+    # set as swap_out (part 1.4) records it, to keep this test to part 1.3
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    unallocated, on_cpu = make_seq(1, 5, 4), make_seq(2, 5, 4)
+    bm.allocate(on_cpu)
+    bm._device_of[on_cpu.seq_id] = Device.CPU
+    for seq, where in ((unallocated, "no blocks"), (on_cpu, "its blocks on the cpu")):
+        message = (
+            rf"\bsequence {seq.seq_id} has {where}; this operation needs its blocks on the gpu\b"
+        )
+        for start, end in ((0, 0), (0, 1)):
+            with pytest.raises(ValueError, match=message):
+                bm.get_slot_mapping(seq, start, end)
+
+
 @pytest.mark.parametrize(("start", "end"), [(-1, 2), (3, 2), (0, 11)])
 def test_part3_slot_mapping_rejects_a_range_outside_the_tokens(start, end):
     bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)

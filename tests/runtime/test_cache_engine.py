@@ -29,6 +29,18 @@ def test_layer_views_share_the_cache():
     assert torch.all(engine.gpu_cache[0, 1, 3] == 7.0) and not torch.all(values[3] == 7.0)
 
 
+def test_layers_are_every_layer_in_order_and_see_later_writes():
+    engine = filled_engine()
+    layers = engine.layers()
+    assert len(layers) == SHAPE.num_layers
+    for index, (keys, values) in enumerate(layers):
+        assert keys.data_ptr() == engine.gpu_cache[0, index].data_ptr()
+        assert values.data_ptr() == engine.gpu_cache[1, index].data_ptr()
+    engine.swap_in({})  # a step's block maps change the cache, never where its layers lie
+    engine.gpu_cache[1, 0, 2].fill_(5.0)
+    assert torch.all(engine.layers()[0][1][2] == 5.0)
+
+
 def test_swap_out_then_in_round_trips_every_layer():
     engine = filled_engine()
     before = engine.gpu_cache.clone()

@@ -8,7 +8,7 @@ from tiny_checkpoints import greedy_by_recompute, paired
 
 from vkv.config import Config
 from vkv.engine.cache_engine import CacheEngine, CacheShape
-from vkv.engine.model_runner import ModelRunner, sample
+from vkv.engine.model_runner import ModelRunner, greedy_tokens, sample
 from vkv.engine.scheduler import Scheduler
 from vkv.engine.sequence import Sequence
 from vkv.kernels import reference, triton_attention
@@ -119,3 +119,14 @@ def test_seeded_sampling_is_reproducible_and_respects_top_k():
     assert set(draws) <= {1, 2} and len(set(draws)) == 2
     assert sample(logits, SamplingParams(temperature=0.0), 0) == 1
     assert sample(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=1), 0) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_greedy_tokens_are_each_rows_first_highest_score(dtype):
+    logits = torch.randn(9, 257, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[3, [7, 40]] = 50.0  # a tie: the first one wins
+    logits[5] = 0.0
+    tokens = greedy_tokens(logits)
+    assert tokens == logits.float().argmax(-1).tolist()
+    assert tokens[3] == 7 and tokens[5] == 0
+    assert all(type(token) is int for token in tokens)
