@@ -55,6 +55,13 @@ def run_once(
     block_size: int, pool_tokens: int, num_seqs: int, enable_prefix_caching: bool = False
 ) -> dict:
     """vkv's scheduler on the trace: loop seconds, steps, preemptions."""
+    return run_loop(make_scheduler(block_size, pool_tokens, num_seqs, enable_prefix_caching))
+
+
+def make_scheduler(
+    block_size: int, pool_tokens: int, num_seqs: int, enable_prefix_caching: bool = False
+) -> Scheduler:
+    """vkv's scheduler with nano-vLLM's budgets, the trace's sequences waiting."""
     config = Config(
         block_size=block_size,
         num_gpu_blocks=pool_tokens // block_size,
@@ -67,6 +74,11 @@ def run_once(
     scheduler = Scheduler(config)
     for seq in make_sequences(nanovllm_trace(num_seqs), block_size):
         scheduler.add(seq)
+    return scheduler
+
+
+def run_loop(scheduler: Scheduler) -> dict:
+    """The schedule / postprocess loop to the end, every token the stand-in (see ``_timed``)."""
 
     def schedule():
         out = scheduler.schedule()
