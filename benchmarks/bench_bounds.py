@@ -53,16 +53,7 @@ STEP_WAYS: dict[str, dict[str, Callable]] = {
 def step_bounds(rounds: int, console: Console) -> None:
     engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=64, device="cpu")
     workload = Workload.mixed(lambda text: engine.tokenizer.encode(text).ids)
-    run_vkv(engine, Workload(workload.prompts[:2], [4, 4]))  # warm-up
-    figures: dict[str, list[tuple[float, float, float]]] = {way: [] for way in STEP_WAYS}
-    for _ in range(rounds):
-        for way, replaced in STEP_WAYS.items():
-            vars(engine).update(replaced)  # instance attributes hide the methods
-            try:
-                figures[way].append(_step_figures(run_vkv(engine, workload).steps))
-            finally:
-                for name in replaced:
-                    delattr(engine, name)
+    figures = measure_steps(engine, workload, rounds)
     table = Table(title=f"Full decode steps of 64 sequences, median of {rounds} rounds")
     for column in ("way", "outside the model", "step us", "host us"):
         table.add_column(column, justify="left" if column == "way" else "right")
@@ -73,9 +64,28 @@ def step_bounds(rounds: int, console: Console) -> None:
     console.print(table)
 
 
-def _step_figures(steps: Sequence[dict]) -> tuple[float, float, float]:
+def measure_steps(
+    engine: LLMEngine, workload: Workload, rounds: int
+) -> dict[str, list[tuple[float, float, float]]]:
+    """Each way's figures (``_step_figures``) in each round, after a warm-up; the engine is
+    left with its own methods."""
+    run_vkv(engine, Workload(workload.prompts[:2], [4, 4]))
+    figures: dict[str, list[tuple[float, float, float]]] = {way: [] for way in STEP_WAYS}
+    for _ in range(rounds):
+        for way, replaced in STEP_WAYS.items():
+            vars(engine).update(replaced)  # instance attributes hide the methods
+            try:
+                steps = run_vkv(engine, workload).steps
+            finally:
+                for name in replaced:
+                    delattr(engine, name)
+            figures[way].append(_step_figures(steps, engine.config.max_num_seqs))
+    return figures
+
+
+def _step_figures(steps: Sequence[dict], full_batch: int) -> tuple[float, float, float]:
     """Share outside the model, mean step and mean host microseconds of the full decode steps."""
-    full = [stats for stats in steps if is_full_decode(stats, 64)]
+    full = [stats for stats in steps if is_full_decode(stats, full_batch)]
     step = sum(stats["step_seconds"] for stats in full) / len(full)
     model = sum(stats["model_seconds"] for stats in full) / len(full)
     return 1.0 - model / step, step * 1e6, (step - model) * 1e6
