@@ -22,12 +22,12 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench_scheduler import CONFIGS, NanoVllm, make_scheduler, run_loop
+from bench_scheduler import CONFIGS, NanoVllm, make_scheduler, run_loop, run_once
 from rich.console import Console
 from rich.table import Table
 from workloads import nanovllm_trace
 
-from vkv.bench import Workload, is_full_decode, run_vkv
+from vkv.bench import VkvRun, Workload, is_full_decode, run_vkv
 from vkv.engine.llm_engine import LLMEngine
 from vkv.models.loader import DEFAULT_MODEL
 
@@ -75,20 +75,20 @@ def measure_steps(
         for way, replaced in STEP_WAYS.items():
             vars(engine).update(replaced)  # instance attributes hide the methods
             try:
-                steps = run_vkv(engine, workload).steps
+                run = run_vkv(engine, workload)
             finally:
                 for name in replaced:
                     delattr(engine, name)
-            figures[way].append(_step_figures(steps, engine.config.max_num_seqs))
+            figures[way].append(_step_figures(run, engine.config.max_num_seqs))
     return figures
 
 
-def _step_figures(steps: Sequence[dict], full_batch: int) -> tuple[float, float, float]:
+def _step_figures(run: VkvRun, full_batch: int) -> tuple[float, float, float]:
     """Share outside the model, mean step and mean host microseconds of the full decode steps."""
-    full = [stats for stats in steps if is_full_decode(stats, full_batch)]
-    step = sum(stats["step_seconds"] for stats in full) / len(full)
-    model = sum(stats["model_seconds"] for stats in full) / len(full)
-    return 1.0 - model / step, step * 1e6, (step - model) * 1e6
+    share = run.overhead_share(full_batch)
+    full = [stats for stats in run.steps if is_full_decode(stats, full_batch)]
+    step_us = sum(stats["step_seconds"] for stats in full) / len(full) * 1e6
+    return share, step_us, share * step_us
 
 
 def free_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -104,8 +104,8 @@ def run_free_hash(block_size: int, pool_tokens: int) -> dict:
 
 def scheduler_bounds(rounds: int, nano_checkout: Path | None, console: Console) -> None:
     sides: dict[str, Callable[[int, int], dict]] = {
-        "caching off": lambda size, pool: run_loop(make_scheduler(size, pool, NUM_SEQS)),
-        "caching on": lambda size, pool: run_loop(make_scheduler(size, pool, NUM_SEQS, True)),
+        "caching off": lambda size, pool: run_once(size, pool, NUM_SEQS),
+        "caching on": lambda size, pool: run_once(size, pool, NUM_SEQS, True),
         "caching on, free hash": run_free_hash,
     }
     if nano_checkout is not None:

@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_bounds
 import pytest
-from bench_scheduler import make_scheduler, run_loop
+from bench_scheduler import run_once
 
 from vkv.bench import Workload
 from vkv.engine.llm_engine import LLMEngine
@@ -53,7 +53,7 @@ def test_without_detokenization_no_text_comes_and_no_metric_moves(engine):
 
 
 def test_the_free_hash_makes_the_same_schedule_as_the_real_one():
-    real = run_loop(make_scheduler(16, 40_960, bench_bounds.NUM_SEQS, enable_prefix_caching=True))
+    real = run_once(16, 40_960, bench_bounds.NUM_SEQS, enable_prefix_caching=True)
     free = bench_bounds.run_free_hash(16, 40_960)
     assert (free["steps"], free["preemptions"]) == (real["steps"], real["preemptions"])
     assert free["preemptions"] > 0, "the 40K pool preempts: the tree is matched against"
