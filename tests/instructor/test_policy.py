@@ -39,27 +39,60 @@ def test_the_reference_solution_passes_against_the_edition(path):
 @pytest.mark.parametrize(
     ("code", "rule"),
     [
+        # imports: listed modules only, and from them only names of the vocabulary
         ("import os", "an import of os, which is not allowed here"),
         ("from collections import deque\nimport heapq", None),
         ("from vkv.engine.sequence import Sequence", None),
-        ("from vkv.engine.scheduler import sys", "an import of the forbidden name sys"),
+        ("from vkv.engine.scheduler import sys", "an import of the name sys"),
+        ("from vkv.config import os", "an import of the name os"),
+        ("from collections import _sys", "an import of the name _sys"),
+        ("from heapq import *", "an import of the name *"),
         ("from vkv.engine.llm_engine import Path", "an import of vkv.engine.llm_engine"),
-        ("import vkv.engine.block\nreturn vkv", "an import of the forbidden name vkv"),
+        ("import vkv.engine.block\nreturn vkv", "the module vkv used as a value"),
         ("from . import sequence", "a relative import"),
         ("from vkv import assignment", "an import of vkv, which is not allowed here"),
-        ("return eval('1')", "the forbidden name eval"),
-        ("return open('tests/hidden/x.py').read()", "the forbidden name open"),
-        ("return getattr(self, 'free')", "the forbidden name getattr"),
-        ("return type(self)", "the forbidden name type"),
-        ("return self.blocks[0].sys", "the forbidden name sys"),
-        ("return self.__class__", "the dunder name __class__"),
+        # names: locals, the module's given names, listed builtins
+        ("return eval('1')", "`eval` is not allowed"),
+        ("return open('tests/hidden/x.py')", "`open` is not allowed"),
+        ("return getattr(self, 'free')", "`getattr` is not allowed"),
+        ("return type(self)", "`type` is not allowed"),
+        ("raise SystemExit(0)", "`SystemExit` is not allowed"),
+        ("return dataclass", "`dataclass` is not allowed"),  # imported by block.py for itself
+        ("import heapq\nh = heapq\nreturn h", "the module heapq used as a value"),
+        ("queue = deque()\nqueue.append(len(self.blocks))\nprint(queue)", None),
+        # attributes: anything on self; a public name of the vocabulary elsewhere
+        ("return self._free_block_ids.popleft()", None),
+        ("import collections\nreturn collections._sys", "the private attribute _sys"),
+        ("return self.blocks[0]._private", "the private attribute _private"),
+        ("return self.blocks[0].sys", "the forbidden attribute sys"),
         ("return self._free_block_ids.f_back", "the forbidden attribute f_back"),
-        ("return '{0.__globals__}'.format(len)", "a dunder name in a string"),
+        ("return self.blocks[0].whatever", "the attribute `whatever` is not allowed"),
+        ("return self.__class__", "the dunder name __class__"),
+        ("return '{}'.format(len)", "the attribute `format` is not allowed"),
         ("return dict(__eq__=1)", "the dunder name __eq__"),
-        ("class Anything:\n    pass", "a class definition"),
-        ("global Block", "a global or nonlocal declaration"),
+        # attribute assignment: on self, parameters, locals, what a call made
+        ("self.blocks[0].ref_count = 1\nreturn self.blocks[0]", None),
+        ("block = self.blocks[0]\nblock.ref_count = 1\nreturn block", None),
+        ("Block.ref_count = 3", "setting an attribute of Block"),
+        ("import heapq\nheapq.heappush = len", "setting an attribute of heapq"),
+        ("deque.append = len", "setting an attribute of deque"),
+        ("kind = Block\nkind.ref_count = 3", "setting an attribute of kind, bound to Block"),
+        # strings
+        ("return '{0.__globals__}'", "a dunder name in a string"),
+        ("name = '_sys'\nreturn name", "a string that names a private attribute"),
+        ("text = '{0.args[0]}'\nreturn text", "a format field with an attribute or an index"),
+        ("return f'block {self.num_blocks}: {len(self.blocks)!r:>4}'", None),
+        # syntax: the reference's kinds, and the few listed additions
+        ("class Anything:\n    pass", "a class definition is not allowed"),
+        ("global Block", "a global declaration is not allowed"),
+        ("match self:\n    case Block(ref_count=r):\n        return r", "a match statement"),
+        ("yield 1", "yield is not allowed"),
         ("def helper(x):\n    return x\nreturn helper(self.blocks[0])", None),
-        ("raise SystemExit(0)", "the forbidden name SystemExit"),
+        ("def helper(x, y=len):\n    return y(x)", "a default value"),
+        ("return sorted(self.blocks, key=lambda b: b.block_id)[0]", None),
+        ("return sorted(self.blocks, key=lambda b, f=len: f(b))", "a default value"),
+        ("assert self.blocks, 'no blocks'\nwith self.evictor:\n    pass", None),
+        ("if (n := len(self.blocks)) > 0:\n    return {b: n for b in self.blocks}", None),
     ],
 )
 def test_each_rule_names_itself_and_its_line(code, rule):
@@ -84,10 +117,82 @@ def test_code_outside_the_regions_is_refused_at_its_line():
 def test_a_part_that_imports_a_module_may_name_it():
     from dataclasses import replace
 
-    policy = replace(ASSIGNMENT.policy, part_imports=(("1.2", ("torch",)),))
+    policy = replace(
+        ASSIGNMENT.policy,
+        part_imports=(("1.2", ("torch",)),),
+        part_attributes=(("1.2", frozenset({"zeros"})),),
+    )
     data, _ = with_body("import torch\nreturn torch.zeros(1)")
     assert check_file(BLOCK, data, EDITION, policy) is None
     assert check_file(BLOCK, data, EDITION, ASSIGNMENT.policy) is not None
     data, _ = with_body("import torch\nreturn torch.load('tests/hidden/test_phase1_hidden.py')")
     violation = check_file(BLOCK, data, EDITION, policy)
     assert violation is not None and "the forbidden attribute load" in violation.rule, violation
+
+
+QUANTIZER = "vkv/engine/quantizer.py"
+QUANTIZER_EDITION = stub_regions(
+    (ROOT / QUANTIZER).read_text(), set(ASSIGNMENT.part_ids), QUANTIZER
+)
+
+
+@pytest.mark.parametrize(
+    ("code", "rule"),
+    [
+        ("return torch.zeros_like(codes).to(torch.uint8)", None),
+        ("with torch.no_grad():\n    return codes.amax(dim=-1, keepdim=True)", None),
+        ("return torch.serialization", "the forbidden attribute serialization"),
+        ("return torch._C", "the private attribute _C"),
+        ("return torch.hub.os", "the forbidden attribute os"),
+        ("return torch.testing", "the attribute `testing` is not allowed"),
+        ("return torch.fx", "the attribute `fx` is not allowed"),
+        ("torch.zeros = torch.ones", "setting an attribute of torch"),
+        ("torch.equal = torch.eq", "the attribute `equal` is not allowed"),
+        ("torch.Tensor.le = torch.Tensor.ge", "setting an attribute of torch"),
+        ("kind = torch.Tensor\nkind.le = kind.ge", "setting an attribute of kind, bound to torch"),
+        ("t = torch\nreturn t.zeros(1)", "the module torch used as a value"),
+    ],
+)
+def test_a_part_that_imports_torch_reaches_only_the_listed_operations(code, rule):
+    """``pack_int4`` (part 3.2) may use torch, through the part's ``attributes`` only."""
+    stub = '    raise NotImplementedError("part 3.2: pack_int4'
+    lines = QUANTIZER_EDITION.splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.startswith(stub))
+    lines[at] = "".join(f"    {line}\n" for line in code.splitlines())
+    violation = check_file(QUANTIZER, "".join(lines).encode(), QUANTIZER_EDITION, ASSIGNMENT.policy)
+    if rule is None:
+        assert violation is None, violation
+    else:
+        assert violation is not None and rule in violation.rule, violation
+
+
+def test_an_unknown_name_says_what_is_allowed():
+    data, line = with_body("return frobnicate(self)")
+    said = str(check_file(BLOCK, data, EDITION, ASSIGNMENT.policy))
+    rule = "`frobnicate` is not allowed in the region of part 1.2"
+    assert said.startswith(f"not graded: {rule} at line {line} of {BLOCK} (allowed: "), said
+    allowed = said.split("(allowed: ", 1)[1]
+    for name in ("self", "len", "Block", "deque", "NoFreeBlocksError"):
+        assert name in allowed.split(", ") or f"{name}," in allowed, (name, allowed)
+
+
+@pytest.mark.parametrize(
+    "separator", ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\r", "\r\n", "\x1c"]
+)
+def test_a_line_break_other_than_newline_is_refused(separator):
+    """A comment holding a line break only ``str.splitlines`` sees: two readings of one file."""
+    data, line = with_body("# a comment SEPARATOR return 1")
+    data = data.replace(b" SEPARATOR ", separator.encode())
+    violation = check_file(BLOCK, data, EDITION, ASSIGNMENT.policy)
+    assert violation is not None and "a line break other than \\n" in violation.rule, violation
+    assert violation.line == line
+
+
+def test_the_policy_lists_what_honest_code_needs():
+    """The vocabulary holds the given classes' public names and the containers' methods, never
+    ``format`` nor a forbidden attribute."""
+    vocabulary = ASSIGNMENT.policy.vocabulary("2.2")
+    for name in ("block_table", "num_computed_tokens", "append_token", "popleft", "setdefault"):
+        assert name in vocabulary, name
+    assert not vocabulary & (ASSIGNMENT.policy.forbidden_attributes | {"format", "format_map"})
+    assert "amax" in ASSIGNMENT.policy.vocabulary("3.1") and "amax" not in vocabulary

@@ -88,3 +88,35 @@ def test_restore_refuses_a_file_whose_regions_were_moved():
 def test_malformed_markers_are_reported_with_their_line(text, message):
     with pytest.raises(RegionError, match=message):
         find_regions(text, "m.py")
+
+
+def test_a_marker_inside_a_string_is_text_not_a_marker():
+    """Markers are the comments the tokenizer finds, as the parser reads the file."""
+    text = 'def f():\n    s = """\n    ### BEGIN SOLUTION part1.1\n    """\n    return s\n'
+    assert find_regions(text) == []
+
+
+def test_a_marker_after_code_on_its_line_is_refused():
+    text = "def f():\n    x = 1  ### BEGIN SOLUTION part1.1\n    ### END SOLUTION\n"
+    with pytest.raises(RegionError, match=r"m.py:2: a marker must stand alone on its line"):
+        find_regions(text, "m.py")
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\r", "\x1e"])
+def test_a_line_break_other_than_newline_is_refused_with_its_line(separator):
+    text = SOURCE + f"# a comment{separator}import os\n"
+    line = text.count("\n")
+    with pytest.raises(RegionError, match=rf"m.py:{line}: a line break other than \\n: U\+"):
+        find_regions(text, "m.py")
+
+
+def test_windows_line_endings_are_named():
+    with pytest.raises(RegionError, match=r"m.py:1: .*\\r\\n \(Windows line endings\)"):
+        find_regions("def f():\r\n    pass\r\n", "m.py")
+
+
+@pytest.mark.parametrize("ending", ["", "\n", "\n\n"])
+def test_a_rebuild_keeps_every_byte_outside_the_regions(ending):
+    """Stub then restore gives the file back byte for byte, however it ends."""
+    text = SOURCE.rstrip("\n") + "\n# tail  \t" + ending
+    assert restore_regions(stub_regions(text, {"1.2", "1.3"}), text, {"1.2", "1.3"}) == text

@@ -69,7 +69,7 @@ class Assignment:
             tuple(settings.get("editable", [])),
             tuple(settings.get("release_exclude", [])),
             edition,
-            Policy.from_manifest(data),
+            Policy.from_manifest(data, root),
         )
 
     def restricted_to(self, part_ids: set[str]) -> "Assignment":

@@ -10,17 +10,29 @@ region can be found again (to grade it, or to put the reference back):
 
 Rules: markers stand alone on their line; regions do not nest; each region lies inside a
 function, whose qualified name the stub reports.
+
+One reading of the source: a file is a sequence of lines separated by ``\n`` and nothing else.
+A file that holds another character Python or ``str.splitlines`` would take for a line break
+(``\r``, ``\x0b``, ``\x0c``, ``\x1c``–``\x1e``, U+0085, U+2028, U+2029) is refused with a
+``RegionError`` naming the character and its line: with two readings, the lines a policy checks
+need not be the lines the parser runs. Markers are the *comments* the tokenizer finds (the same
+tokenizer that gives the AST its line numbers), never text in a string, and every rebuild splits
+and joins on ``\n`` only, so that what is not replaced comes out byte for byte.
 """
 
 import ast
+import io
 import re
 import textwrap
+import tokenize
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
 BEGIN_MARKER = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION part(?P<part>\d+\.\d+)[ \t]*$")
 END_MARKER = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
-ANY_MARKER = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION")
+MARKER_COMMENT = re.compile(r"### (BEGIN|END) SOLUTION")
+OTHER_LINE_BREAKS = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
 class RegionError(ValueError):
@@ -63,12 +75,14 @@ class Region:
 
 
 def find_regions(text: str, filename: str = "<text>") -> list[Region]:
-    """Every solution region of a Python source, in order; ``RegionError`` on bad markers."""
-    lines = text.splitlines()
+    """Every solution region of a Python source, in order; ``RegionError`` on bad markers or on
+    a line break other than ``\\n``; ``SyntaxError`` if it does not parse."""
+    lines = source_lines(text, filename)
     function_at = _enclosing_functions(text, filename)
     regions: list[Region] = []
     open_at: int | None = None
-    for number, line in enumerate(lines):
+    for number in _marker_lines(text, lines, filename):
+        line = lines[number]
         begin = BEGIN_MARKER.match(line)
         if begin:
             if open_at is not None:
@@ -83,11 +97,44 @@ def find_regions(text: str, filename: str = "<text>") -> list[Region]:
             body = tuple(lines[open_at + 1 : number])
             regions.append(Region(part, qualname, indent, open_at, number, body))
             open_at = None
-        elif ANY_MARKER.match(line):
+        else:
             raise RegionError(f"{filename}:{number + 1}: malformed marker {line.strip()!r}")
     if open_at is not None:
         raise RegionError(f"{filename}:{open_at + 1}: region never closed")
     return regions
+
+
+def source_lines(text: str, filename: str = "<text>") -> list[str]:
+    """The lines of ``text`` split on ``\\n`` (the last one empty if it ends in one), or
+    ``RegionError`` if any other line break is in it."""
+    other = OTHER_LINE_BREAKS.search(text)
+    if other is not None:
+        line = text.count("\n", 0, other.start()) + 1
+        char = other[0]
+        name = f"U+{ord(char):04X} {unicodedata.name(char, repr(char))}"
+        if text.startswith("\r\n", other.start()):
+            name = "\\r\\n (Windows line endings)"
+        raise RegionError(
+            f"{filename}:{line}: a line break other than \\n: {name}; the grader reads only \\n "
+            "line endings (save the file with LF line endings and without that character)"
+        )
+    return text.split("\n")
+
+
+def _marker_lines(text: str, lines: list[str], filename: str) -> list[int]:
+    """The 0-based lines whose only token is a comment that looks like a marker."""
+    found = []
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    try:
+        for token in tokens:
+            if token.type == tokenize.COMMENT and MARKER_COMMENT.match(token.string):
+                row, column = token.start
+                if lines[row - 1][:column].strip():
+                    raise RegionError(f"{filename}:{row}: a marker must stand alone on its line")
+                found.append(row - 1)
+    except tokenize.TokenError as exc:
+        raise SyntaxError(f"{filename}: {exc.args[0]}") from exc
+    return found
 
 
 def rewrite_regions(
@@ -97,7 +144,7 @@ def rewrite_regions(
 
     ``replace`` returns the new body lines, or None to keep the region as it is.
     """
-    lines = text.splitlines()
+    lines = source_lines(text, filename)
     out: list[str] = []
     cursor = 0
     for index, region in enumerate(find_regions(text, filename)):
@@ -108,7 +155,7 @@ def rewrite_regions(
         out.extend(new_body)
         cursor = region.end
     out.extend(lines[cursor:])
-    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+    return "\n".join(out)
 
 
 def stub_regions(text: str, parts: set[str], filename: str = "<text>") -> str:
