@@ -24,7 +24,8 @@ is refused, so a door nobody thought of stays shut):
   and the builtins of ``[policy] builtins`` in ``parts.toml``. A module is used only through
   its attributes (``heapq.heappush(...)``, never ``h = heapq``);
 - **attributes**: on ``self`` (in a method), any attribute but dunders; on anything else, a
-  public name (never one that starts with ``_``) from the vocabulary: the public names the
+  private name only where the given code defines it (``block_manager._device_of``: never
+  ``collections._sys`` or ``torch._C``), otherwise a public name from the vocabulary: the names the
   course's given classes and modules define (``vkv.config``, ``vkv.engine.*``...: parsed from
   the trusted tree), the public methods of the built-in containers (``str.format`` and
   ``format_map`` left out: a format field can walk attributes), the public functions of the
@@ -113,6 +114,7 @@ class Policy:
     builtins: frozenset[str] = frozenset()
     attributes: frozenset[str] = frozenset()
     forbidden_attributes: frozenset[str] = frozenset()
+    given_private: frozenset[str] = frozenset()
     part_imports: tuple[tuple[str, tuple[str, ...]], ...] = ()
     part_attributes: tuple[tuple[str, frozenset[str]], ...] = ()
 
@@ -132,14 +134,16 @@ class Policy:
             files += [root / path for path in data.get("assignment", {}).get("editable", [])]
             for file in files:
                 if file is not None and file.is_file():
-                    given |= _public_names(ast.parse(file.read_text(), str(file)))
-        vocabulary = given | _container_methods() | _module_functions(imports)
+                    given |= _defined_names(ast.parse(file.read_text(), str(file)))
+        private = {name for name in given if PRIVATE_IDENTIFIER.fullmatch(name)}
+        vocabulary = (given - private) | _container_methods() | _module_functions(imports)
         vocabulary |= set(settings.get("attributes", []))
         return cls(
             imports=imports,
             builtins=frozenset(settings.get("builtins", [])),
             attributes=frozenset(vocabulary),
             forbidden_attributes=frozenset(settings.get("forbidden_attributes", [])),
+            given_private=frozenset(private - set(settings.get("forbidden_attributes", []))),
             part_imports=part_imports,
             part_attributes=tuple(
                 (
@@ -313,9 +317,10 @@ class RegionCheck:
                 return f"an import of {module}, which is not allowed here", allowed
         for alias in node.names:
             for name in (alias.name.split(".")[-1], alias.asname):
-                if name and (name == "*" or PRIVATE_IDENTIFIER.fullmatch(name)):
+                private = PRIVATE_IDENTIFIER.fullmatch(name or "")
+                if name == "*" or (private and name not in self.policy.given_private):
                     return f"an import of the name {name}"
-            vocabulary = self.policy.vocabulary(self.part)
+            vocabulary = self.policy.vocabulary(self.part) | self.policy.given_private
             if isinstance(node, ast.ImportFrom) and alias.name not in vocabulary:
                 return f"an import of the name {alias.name}, which {node.module} does not give"
         return None
@@ -345,7 +350,7 @@ class RegionCheck:
         if name in self.policy.forbidden_attributes:
             return f"the forbidden attribute {name}"
         on_self = self.is_method and isinstance(node.value, ast.Name) and node.value.id == "self"
-        if not on_self:
+        if not on_self and name not in self.policy.given_private:
             if PRIVATE_IDENTIFIER.fullmatch(name):
                 return f"the private attribute {name} of an object other than self"
             if name not in self.policy.vocabulary(self.part):
@@ -467,9 +472,9 @@ def _module_names(tree: ast.Module) -> dict[str, tuple[str, bool]]:
     return names
 
 
-def _public_names(tree: ast.Module) -> set[str]:
-    """The public names a given module defines: its functions, classes and constants, and each
-    class's methods, fields, enum members and the attributes its methods set on ``self``."""
+def _defined_names(tree: ast.Module) -> set[str]:
+    """The names a given module defines: its functions, classes and constants, and each class's
+    methods, fields, enum members and the attributes its methods set on ``self``."""
     names: set[str] = set()
     bodies = [tree.body] + [node.body for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
     for statement in (statement for body in bodies for statement in body):
@@ -481,7 +486,7 @@ def _public_names(tree: ast.Module) -> set[str]:
             names.add(node.name)
         elif _sets_on_self(node):
             names.add(node.attr)
-    return {name for name in names if not PRIVATE_IDENTIFIER.fullmatch(name)}
+    return {name for name in names if not DUNDER.fullmatch(name)}
 
 
 def _sets_on_self(node: ast.AST) -> bool:
