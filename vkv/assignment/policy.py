@@ -56,7 +56,14 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from vkv.assignment.regions import Region, RegionError, find_regions, restore_regions, source_lines
+from vkv.assignment.regions import (
+    Region,
+    RegionError,
+    find_regions,
+    restore_regions,
+    source_lines,
+    stub_regions,
+)
 
 DUNDER = re.compile(r"__\w+__")
 PRIVATE_IDENTIFIER = re.compile(r"_\w*")
@@ -130,11 +137,14 @@ class Policy:
         every_import = set(imports).union(*(own for _, own in part_imports))
         given: set[str] = set()
         if root is not None:
+            all_parts = {part["id"] for part in data.get("part", [])}
             files = [_module_file(root, name) for name in sorted(every_import)]
             files += [root / path for path in data.get("assignment", {}).get("editable", [])]
             for file in files:
                 if file is not None and file.is_file():
-                    given |= _defined_names(ast.parse(file.read_text(), str(file)))
+                    # the given code only, as a student edition holds it (stubs in the regions)
+                    text = stub_regions(file.read_text(), all_parts, str(file))
+                    given |= _defined_names(ast.parse(text, str(file)))
         private = {name for name in given if PRIVATE_IDENTIFIER.fullmatch(name)}
         vocabulary = (given - private) | _container_methods() | _module_functions(imports)
         vocabulary |= set(settings.get("attributes", []))
