@@ -1,6 +1,7 @@
 """The ``vkv`` command.
 
-    vkv grade [PATH] [--trusted TREE] [--isolate] [--hidden DIR] [--require-sandbox]
+    vkv grade [PATH] [--trusted TREE] [--isolate] [--hidden DIR] [--seed N]
+              [--require-sandbox | --unsafe-no-sandbox]
               [--format table|json|gradescope|markdown] [--output FILE]
                                                 score a submission, per part
     vkv demo                                    watch paging and preemption on vkv-tiny
@@ -40,6 +41,15 @@ def _grade(args: argparse.Namespace, console: Console) -> int:
     from vkv.assignment import report
     from vkv.assignment.grade import grade
 
+    if (args.hidden or args.format == "gradescope") and not (
+        args.require_sandbox or args.unsafe_no_sandbox
+    ):
+        used = "--hidden" if args.hidden else "--format gradescope"
+        raise ValueError(
+            f"{used} makes a grade, and a grade needs the sandbox: add --require-sandbox (it "
+            "refuses to grade where bubblewrap cannot run), or --unsafe-no-sandbox to get a "
+            "progress check that a submission could have cheated"
+        )
     result = grade(
         Path(args.path).resolve(),
         Path(args.trusted).resolve() if args.trusted else None,
@@ -47,6 +57,8 @@ def _grade(args: argparse.Namespace, console: Console) -> int:
         reference=_reference_root(args) if args.isolate else None,
         timeout=args.timeout,
         require_sandbox=args.require_sandbox,
+        unsafe_no_sandbox=args.unsafe_no_sandbox,
+        seed=args.seed,
         parts=Assignment.load(Path(args.trusted or args.path)).expand(args.parts)
         if args.parts
         else None,
@@ -314,9 +326,18 @@ def _parser() -> argparse.ArgumentParser:
     grade.add_argument("--output", help="write the json / gradescope / markdown form here")
     grade.add_argument("--root", help="the reference tree for --isolate (default: this package's)")
     grade.add_argument(
+        "--seed", type=int, help="the tests' VKV_GRADE_SEED (default: drawn at random)"
+    )
+    sandboxing = grade.add_mutually_exclusive_group()
+    sandboxing.add_argument(
         "--require-sandbox",
         action="store_true",
         help="refuse to grade where bubblewrap cannot run the tests in a sandbox",
+    )
+    sandboxing.add_argument(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="allow --hidden and --format gradescope without a sandbox: a progress check only",
     )
     grade.set_defaults(run=_grade)
 

@@ -2,15 +2,19 @@
 
 The submission is never run as it is. The grader copies a *trusted* tree (the course's
 student edition, or this repository: tests, configuration, everything but the student's code),
-overlays only the files students are meant to edit (``editable`` in ``parts.toml``), and runs
-the trusted tests on it:
+overlays only the files students are meant to edit (``editable`` in ``parts.toml``), byte for
+byte, and runs the trusted tests on it:
 
 - one pytest process per part (and one more for its hidden tests), in parallel, each with a
   timeout after which its whole process group is killed; plugin autoloading off, the grader's
   own pytest configuration, no conftest, no cache, no bytecode written;
-- results come from the grader's plugin (``reporter.py``), which also detects a submission that
-  patches pytest; the test ids are collected beforehand from the trusted tree, and a test that
-  never reported (the process exited or crashed early) counts as failed;
+- inside it, each test runs in a child process of its own, which can report for that test only
+  (``reporter.py``); the grader's plugin also detects a submission that patches pytest or a
+  module a part may import (torch, math...); the test ids are collected beforehand from the
+  trusted tree, a test that never reported (the process exited or crashed early) counts as
+  failed, and a report the grader cannot read (a malformed or unexpected record, a second record
+  for a phase, a process that died of a signal) fails the run with status "error" and says what
+  it saw;
 - a file the submission changed outside ``editable`` is reported as "not graded: protected file
   modified" and ignored;
 - an editable file that breaks the static policy (``policy.py``: code outside the solution
@@ -19,18 +23,28 @@ the trusted tests on it:
 - each test process starts from a clean interpreter (no editable install, no project root on
   its path) and, where bubblewrap works, inside an OS sandbox that sees only its own tree
   (``sandbox.py``); a part's hidden tests run in a process of their own, so no visible test's
-  output can carry them; nothing a test process started outlives it.
+  output can carry them; nothing a test process started outlives it;
+- every grade draws a seed (``secrets.randbelow(2**32)``, or ``seed``), given to every test
+  process as ``VKV_GRADE_SEED`` and recorded in the report: seeded hidden tests ask for answers
+  no table of the visible tests' answers holds.
 
-Scoring: a part's score is its points times the share of its tests that pass. A part whose
-tests all fail on stubs (``NotImplementedError: part X.Y``), its own among them, is reported
-"not started" rather than "failed"; a failed part whose failures all come from other parts'
-stubs says which part to finish first. With
-``isolate``, each part is graded again with the submission's code for that part only and the
-reference's code for every other part (the solution regions make the transplant exact), so that
-a bug in one part costs that part alone. Hidden tests (an instructor-only folder, ``--hidden``)
-count like the others and are reported apart.
+Scoring: a part's score is its points times the share of its tests that pass. When a part has
+hidden tests in the run, it is its points times the *lower* of two shares, that of its visible
+tests that pass and that of its hidden tests that pass (the part's detail says so when the
+hidden share is the lower one). A part whose tests all fail on stubs
+(``NotImplementedError: part X.Y``), its own among them, is reported "not started" rather than
+"failed"; a failed part whose failures all come from other parts' stubs says which part to
+finish first. With ``isolate``, each part is graded again with the submission's code for that
+part only and the reference's code for every other part (the solution regions make the
+transplant exact), so that a bug in one part costs that part alone; an editable file the
+submission lacks (or that is a link, unreadable, or refused by the policy) counts as the
+edition's, stubs and all, never as the reference's. Hidden tests (an instructor-only folder,
+``--hidden``) are reported apart.
 
-Run without ``--trusted``, the tree grades itself: a student's progress meter, not a grade.
+A grade is a *progress check*, not a grade, when it ran without the sandbox (the submission
+could then read the hidden tests and rewrite the trusted tree) or when the tree graded itself
+(run without ``--trusted``); the report says so in every format. Hidden tests without a sandbox
+are refused unless ``unsafe_no_sandbox`` is set.
 """
 
 import contextlib
@@ -38,6 +52,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import select
 import shutil
 import signal
@@ -53,14 +68,17 @@ from pathlib import Path
 from vkv.assignment import sandbox
 from vkv.assignment.parts import GRADED_TEST_FILE, Assignment, Part, part_of_test
 from vkv.assignment.policy import Violation, check_file
-from vkv.assignment.regions import RegionError, find_regions, restore_regions
+from vkv.assignment.regions import RegionError, find_regions, restore_regions, stub_regions
 
 SKIPPED_NAMES = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
 HIDDEN_DIR = Path("tests") / "hidden"
 GRADER_INI = "[pytest]\naddopts =\npython_files = test_*.py\n"
 GRADER_INI_NAME = "vkv-grader.ini"
 MAX_REPORT_BYTES = 64 << 20
+MAX_MESSAGE = 4000
 PIPE_GRACE = 1.0  # seconds to drain the report after the test process exited
+PHASES = ("setup", "call", "teardown")
+OUTCOMES = ("passed", "failed", "skipped")
 STUB_ERROR = re.compile(r"NotImplementedError: part (\d+\.\d+):")
 
 
@@ -107,18 +125,51 @@ class PartResult:
         return len(self.tests)
 
     @property
+    def shares(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(passed, total) of the visible tests, and of the hidden ones."""
+        hidden = [test for test in self.tests if test.hidden]
+        passed_hidden = sum(test.outcome == "passed" for test in hidden)
+        visible = (self.passed - passed_hidden, self.total - len(hidden))
+        return visible, (passed_hidden, len(hidden))
+
+    @property
     def score(self) -> float:
-        return round(self.part.points * self.passed / self.total, 2) if self.total else 0.0
+        """Points times the share of tests passed; with hidden tests, the lower of the visible
+        and the hidden shares."""
+        shares = [passed / total for passed, total in self.shares if total]
+        return round(self.part.points * min(shares), 2) if shares else 0.0
+
+    @property
+    def hidden_rule(self) -> str:
+        """What the score rule did, when the hidden tests' share is the lower one; else ""."""
+        (passed, total), (hidden_passed, hidden_total) = self.shares
+        if not hidden_total or not total or hidden_passed * total >= passed * hidden_total:
+            return ""
+        return (
+            f"hidden tests {hidden_passed}/{hidden_total} passed, visible {passed}/{total}: the "
+            "score takes the lower share"
+        )
+
+    @property
+    def full_detail(self) -> str:
+        """``detail``, then ``hidden_rule``."""
+        return "; ".join(text for text in (self.detail, self.hidden_rule) if text)
 
 
 @dataclass(slots=True)
 class GradeReport:
+    """A grade. ``progress_check``: it is no grade (no sandbox, or a tree graded by its own
+    tests), with ``note`` saying why; ``seed``: the ``VKV_GRADE_SEED`` every test process got."""
+
     parts: list[PartResult]
     protected_modified: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # graded file -> sha256
     not_graded: dict[str, str] = field(default_factory=dict)  # file -> the policy's reason
     isolated: list[PartResult] | None = None
     sandboxed: bool = False
+    progress_check: bool = True
+    note: str = ""
+    seed: int = 0
     execution_time: float = 0.0
 
     @property
@@ -139,20 +190,32 @@ def grade(
     timeout: float = 300.0,
     parts: set[str] | None = None,
     require_sandbox: bool = False,
+    unsafe_no_sandbox: bool = False,
     enforce_policy: bool = True,
+    seed: int | None = None,
 ) -> GradeReport:
     """Grade ``submission`` against the tests of ``trusted`` (default: itself).
 
     With ``reference``, also grade each part in isolation (see the module docstring). With
     ``parts``, grade only those parts (and only their phases' test files). With
-    ``require_sandbox``, raise ``RuntimeError`` rather than grade without bubblewrap.
-    ``enforce_policy=False`` (not offered by the CLI) lets code the policy would refuse run, so
-    that the layers behind the policy (the sandbox, the guard) can be tested on their own.
+    ``require_sandbox``, raise ``RuntimeError`` rather than grade without bubblewrap. ``hidden``
+    tests without a sandbox raise ``RuntimeError`` unless ``unsafe_no_sandbox`` is set (the
+    submission could read them). ``seed`` (default: drawn at random) is every test process's
+    ``VKV_GRADE_SEED``. ``enforce_policy=False`` (not offered by the CLI) lets code the policy
+    would refuse run, so that the layers behind the policy (the sandbox, the guard) can be
+    tested on their own.
     """
     started = time.monotonic()
     sandboxed = sandbox.available()
     if require_sandbox and not sandboxed:
         raise RuntimeError(f"no sandbox to grade in: {sandbox.why_unavailable()}")
+    if hidden is not None and not sandboxed and not unsafe_no_sandbox:
+        raise RuntimeError(
+            f"refusing to run hidden tests without a sandbox ({sandbox.why_unavailable()}): the "
+            "submission could read them. Grade where bubblewrap works, or pass "
+            "--unsafe-no-sandbox (unsafe_no_sandbox=True) for a progress check"
+        )
+    seed = secrets.randbelow(2**32) if seed is None else seed
     trusted = trusted or submission
     assignment = Assignment.load(trusted)
     if parts is not None:
@@ -164,12 +227,13 @@ def grade(
         if hidden is not None:
             copy_clean(hidden, base / HIDDEN_DIR)
         (base / GRADER_INI_NAME).write_text(GRADER_INI)
-        ids_by_part = _collect(base, _test_files(base, assignment), assignment)
+        ids_by_part = _collect(base, _test_files(base, assignment), assignment, seed)
         submitted, not_graded, files = check_submission(
             submission, base, assignment, enforce_policy
         )
         runs = _plan(Path(scratch), base, ids_by_part, submitted, reference, assignment)
-        done = _run_all([run for run in runs if run.part not in not_graded], timeout, sandboxed)
+        graded = [run for run in runs if run.part not in not_graded]
+        done = _run_all(graded, Settings(timeout, sandboxed, seed))
     if tree_digest(trusted) != trusted_before:
         raise RuntimeError(
             f"the trusted tree {trusted} changed while grading (a submission wrote to it): "
@@ -187,6 +251,7 @@ def grade(
         own = [done[run] for run in runs if run.part == part.id and run.isolated is isolated]
         return _part_result(part, *_combine(own))
 
+    self_graded = trusted.resolve() == submission.resolve()
     report = GradeReport(
         parts=[result(part, False) for part in assignment.parts],
         protected_modified=protected_changes(submission, trusted, assignment),
@@ -194,33 +259,53 @@ def grade(
         not_graded={str(v.path): str(v) for v in not_graded.values()},
         isolated=[result(part, True) for part in assignment.parts] if reference else None,
         sandboxed=sandboxed,
+        progress_check=not sandboxed or self_graded,
+        note=_progress_note(sandboxed, self_graded),
+        seed=seed,
     )
     report.execution_time = round(time.monotonic() - started, 2)
     return report
 
 
+def _progress_note(sandboxed: bool, self_graded: bool) -> str:
+    """Why a grade is only a progress check ("" if it is a grade)."""
+    reasons = []
+    if not sandboxed:
+        reasons.append(
+            "it ran without a sandbox (no usable bubblewrap), where a submission can read the "
+            "hidden tests and rewrite the trusted tree"
+        )
+    if self_graded:
+        reasons.append("the tree was graded by its own tests (no --trusted tree)")
+    return "a progress check, not a grade: " + "; ".join(reasons) if reasons else ""
+
+
 def check_submission(
     submission: Path, base: Path, assignment: Assignment, enforce_policy: bool = True
-) -> tuple[dict[str, str], dict[str, Violation], dict[str, str]]:
+) -> tuple[dict[str, bytes], dict[str, Violation], dict[str, str]]:
     """Check each editable file of the submission against the policy (``policy.py``).
 
-    Returns the text of each file that passed, the first violation of each part with a region
-    in a file that did not (that file is not graded: the edition's copy stays), and the sha256
-    of every submitted file.
+    Returns the bytes of each file that passed (those the policy read, to be written as they
+    are), the first violation of each part with a region in a file that did not (that file is
+    not graded: the edition's copy stays), and the sha256 of every submitted file. A file that
+    is missing, a link or unreadable is not submitted: the edition's copy stays.
     """
-    submitted: dict[str, str] = {}
+    submitted: dict[str, bytes] = {}
     not_graded: dict[str, Violation] = {}
     files: dict[str, str] = {}
     for path in assignment.editable:
         source = submitted_file(submission, path)
-        if source is None:
+        try:
+            data = source.read_bytes() if source is not None else None
+        except OSError:
+            data = None
+        if data is None:
             continue
-        data = source.read_bytes()
         files[path] = hashlib.sha256(data).hexdigest()
         edition = (base / path).read_text()
         violation = check_file(path, data, edition, assignment.policy) if enforce_policy else None
         if violation is None:
-            submitted[path] = data.decode("utf-8")
+            submitted[path] = data
             continue
         for region in find_regions(edition, path):
             not_graded.setdefault(region.part, violation)
@@ -247,7 +332,7 @@ def _plan(
     scratch: Path,
     base: Path,
     ids_by_part: dict[str, list[str]],
-    submitted: dict[str, str],
+    submitted: dict[str, bytes],
     reference: Path | None,
     assignment: Assignment,
 ) -> list[Run]:
@@ -372,11 +457,11 @@ def copy_clean(source: Path, target: Path, leave_out: str | None = None) -> None
         shutil.copyfile(file, target / path)
 
 
-def _plain_tree(tree: Path, base: Path, submitted: dict[str, str], hidden: bool) -> Path:
-    """The trusted tree with the submitted files that passed the policy."""
+def _plain_tree(tree: Path, base: Path, submitted: dict[str, bytes], hidden: bool) -> Path:
+    """The trusted tree with the submitted files that passed the policy, byte for byte."""
     copy_clean(base, tree, leave_out=None if hidden else HIDDEN_DIR.as_posix())
-    for path, text in submitted.items():
-        (tree / path).write_text(text)
+    for path, data in submitted.items():
+        (tree / path).write_bytes(data)
     return tree
 
 
@@ -385,20 +470,29 @@ def _isolated_tree(
     part: str,
     base: Path,
     reference: Path,
-    submitted: dict[str, str],
+    submitted: dict[str, bytes],
     assignment: Assignment,
     hidden: bool,
 ) -> Path | RegionError:
-    """The reference's code with the submission's regions of ``part`` transplanted in."""
+    """The reference's code with the submission's regions of ``part`` transplanted in.
+
+    An editable file that was not submitted (missing, a link, unreadable, refused by the
+    policy) gives ``part`` the edition's stubs: the reference's file with ``part`` stubbed.
+    """
     copy_clean(base, tree, leave_out=None if hidden else HIDDEN_DIR.as_posix())
     for path in assignment.editable:
-        ours = (reference / path).read_text()
+        ours = (reference / path).read_bytes().decode("utf-8")
+        theirs = submitted.get(path)
         try:
-            theirs = submitted.get(path)
-            text = ours if theirs is None else restore_regions(ours, theirs, {part}, path)
+            if theirs is None:
+                text = stub_regions(ours, {part}, path)
+            else:
+                text = restore_regions(ours, theirs.decode("utf-8"), {part}, path)
         except RegionError as exc:
             return exc
-        (tree / path).write_text(text)
+        except UnicodeDecodeError:  # only where the policy, which requires UTF-8, is off
+            return RegionError(f"{path} is not UTF-8 text")
+        (tree / path).write_bytes(text.encode("utf-8"))
     return tree
 
 
@@ -422,12 +516,14 @@ def _pytest_args(files_or_ids: list[str] | tuple[str, ...], *extra: str) -> list
     return [*options, "-q", *extra, *files_or_ids]
 
 
-def _collect(base: Path, files: list[str], assignment: Assignment) -> dict[str, list[str]]:
+def _collect(
+    base: Path, files: list[str], assignment: Assignment, seed: int
+) -> dict[str, list[str]]:
     """The graded test ids of the trusted tree, by part (collection imports trusted code only)."""
     done = subprocess.run(
         sandbox.python_command(str(base), _pytest_args(files, "--collect-only")),
         cwd=base,
-        env=sandbox.environment(),
+        env=sandbox.environment(seed),
         capture_output=True,
         text=True,
         timeout=300,
@@ -443,39 +539,56 @@ def _collect(base: Path, files: list[str], assignment: Assignment) -> dict[str, 
     return by_part
 
 
-def _run_all(runs: list[Run], timeout: float, sandboxed: bool) -> dict[Run, RunResult]:
+@dataclass(slots=True, frozen=True)
+class Settings:
+    """How every run of a grade goes: its time limit (per run, and per test), in the sandbox
+    or not, with which seed."""
+
+    timeout: float
+    sandboxed: bool
+    seed: int
+
+
+def _run_all(runs: list[Run], settings: Settings) -> dict[Run, RunResult]:
     """Every run's outcomes, status and detail. Sandboxed runs go in parallel; without a sandbox
     the private ones go one at a time, after the others."""
-    alone = [run for run in runs if run.private and not sandboxed]
+    alone = [run for run in runs if run.private and not settings.sandboxed]
     shared = [run for run in runs if run not in alone]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = pool.map(lambda run: _execute(run, timeout, sandboxed), shared)
+        results = pool.map(lambda run: _execute(run, settings), shared)
         done = dict(zip(shared, results, strict=True))
     for run in alone:
-        done[run] = _execute(run, timeout, sandboxed)
+        done[run] = _execute(run, settings)
     return done
 
 
-def _execute(run: Run, timeout: float, sandboxed: bool) -> RunResult:
+def _execute(run: Run, settings: Settings) -> RunResult:
     tree = run.build()
     try:
         if isinstance(tree, RegionError):
             return [TestOutcome(i, "failed", str(tree)) for i in run.ids], "error", str(tree)
-        return _run_part(tree, list(run.ids), timeout, sandboxed)
+        return _run_part(tree, list(run.ids), settings)
     finally:
         if run.private and isinstance(tree, Path):
             shutil.rmtree(tree, ignore_errors=True)
 
 
-def _run_part(tree: Path, ids: list[str], timeout: float, sandboxed: bool) -> RunResult:
+def _run_part(tree: Path, ids: list[str], settings: Settings) -> RunResult:
     """Run the tests ``ids`` in ``tree`` (sandboxed if it can); read the reporter's pipe."""
-    args = _pytest_args(ids, "-p", "vkv.assignment.reporter")
+    args = _pytest_args(ids, "-p", "vkv.assignment.reporter", "--capture=no")
     read_end, write_end = os.pipe()
-    command = sandbox.command(tree, args) if sandboxed else sandbox.python_command(str(tree), args)
+    if settings.sandboxed:
+        command = sandbox.command(tree, args)
+    else:
+        command = sandbox.python_command(str(tree), args)
     process = subprocess.Popen(
         command,
         cwd=tree,
-        env=sandbox.environment(VKV_GRADE_REPORT_FD=str(write_end)),
+        env=sandbox.environment(
+            settings.seed,
+            VKV_GRADE_REPORT_FD=str(write_end),
+            VKV_GRADE_TEST_TIMEOUT=str(settings.timeout),
+        ),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -484,18 +597,19 @@ def _run_part(tree: Path, ids: list[str], timeout: float, sandboxed: bool) -> Ru
     )
     os.close(write_end)
     try:
-        data, timed_out = _read_pipe(read_end, process, timeout)
+        data, timed_out = _read_pipe(read_end, process, settings.timeout)
     finally:
         os.close(read_end)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # whatever the tests left behind
         process.wait()
-    return _read_report(data, ids, timed_out, timeout)
+    return _read_report(data, ids, timed_out, settings.timeout)
 
 
 def _read_pipe(fd: int, process: subprocess.Popen, timeout: float) -> tuple[bytes, bool]:
-    """What the reporter wrote, until every writer closed the pipe, the process exited and
-    ``PIPE_GRACE`` passed (a survivor may hold the pipe), or ``timeout`` ran out."""
+    """What the reporter wrote (``MAX_REPORT_BYTES`` at most), until every writer closed the
+    pipe, the process exited and ``PIPE_GRACE`` passed (a survivor may hold the pipe), or
+    ``timeout`` ran out."""
     deadline = time.monotonic() + timeout
     chunks: list[bytes] = []
     size = 0
@@ -519,51 +633,120 @@ def _read_pipe(fd: int, process: subprocess.Popen, timeout: float) -> tuple[byte
             size += len(chunk)
 
 
-def _records(data: bytes) -> list[dict]:
-    """The report's JSON objects; anything else (a bad line) is skipped."""
-    records = []
-    for line in data.decode("utf-8", errors="replace").splitlines():
+class MalformedReport(ValueError):
+    """The report holds a line that is not a record the reporter writes."""
+
+
+@dataclass(slots=True, frozen=True)
+class Record:
+    """One phase of one test, as the reporter wrote it."""
+
+    nodeid: str
+    when: str
+    outcome: str
+    message: str
+    flagged: str | None
+
+
+def _records(data: bytes, wanted: set[str]) -> tuple[list[Record], bool, str | None]:
+    """The report's records, whether it ended with ``finished``, and the ``tampered`` it gave.
+
+    Raises ``MalformedReport`` naming the first line that is not a record of a test in
+    ``wanted`` (a phase at most once each) or the one ``finished`` line, last; any byte
+    sequence gives a record list or that exception. A last line without its newline (the
+    process was killed while writing it) is left out.
+    """
+    if len(data) >= MAX_REPORT_BYTES:
+        raise MalformedReport(f"the report is larger than {MAX_REPORT_BYTES} bytes")
+    records: list[Record] = []
+    seen: set[tuple[str, str]] = set()
+    lines = data.split(b"\n")[:-1]  # the last piece is empty, or a line cut short by a kill
+    for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+            value = json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):
+            raise MalformedReport(f"line {number} is not JSON") from None
+        if not isinstance(value, dict):
+            raise MalformedReport(f"line {number} is not an object")
+        if value.get("event") == "finished":
+            tampered = value.get("tampered")
+            if set(value) != {"event", "tampered"} or not isinstance(tampered, str | None):
+                raise MalformedReport(f"line {number}: a malformed finished record")
+            if number != len(lines):
+                raise MalformedReport(f"line {number}: records after the finished record")
+            return records, True, _text(tampered) if tampered is not None else None
+        record = _record(value, number, wanted)
+        if (record.nodeid, record.when) in seen:
+            raise MalformedReport(f"line {number}: a second {record.when} record for a test")
+        seen.add((record.nodeid, record.when))
+        records.append(record)
+    return records, False, None
+
+
+def _record(value: dict, number: int, wanted: set[str]) -> Record:
+    """The record on line ``number``, or ``MalformedReport``."""
+    if set(value) != {"nodeid", "when", "outcome", "message", "flagged"}:
+        raise MalformedReport(f"line {number}: not a test record")
+    nodeid, when, outcome = value["nodeid"], value["when"], value["outcome"]
+    message, flagged = value["message"], value["flagged"]
+    if not all(isinstance(v, str) for v in (nodeid, when, outcome, message)):
+        raise MalformedReport(f"line {number}: a field that should be a string is not")
+    if not isinstance(flagged, str | None):
+        raise MalformedReport(f"line {number}: flagged is neither a string nor null")
+    if nodeid not in wanted:
+        raise MalformedReport(f"line {number}: a record for a test this run did not ask for")
+    if when not in PHASES or outcome not in OUTCOMES:
+        raise MalformedReport(f"line {number}: an unknown phase or outcome")
+    flag = _text(flagged) if flagged is not None else None
+    return Record(nodeid, when, outcome, _text(message), flag)
+
+
+def _text(value: str) -> str:
+    """A message fit to print: lone surrogates replaced, ``MAX_MESSAGE`` characters at most."""
+    return value.encode("utf-8", "replace").decode("utf-8")[-MAX_MESSAGE:]
 
 
 def _read_report(data: bytes, ids: list[str], timed_out: bool, timeout: float) -> RunResult:
-    """Each test's outcome from the reporter's lines; unreported tests count as failed."""
-    phases: dict[str, list[dict]] = {}
-    finished, tampered = False, None
-    wanted = set(ids)
-    for record in _records(data):
-        if record.get("event") == "finished":
-            finished, tampered = True, record.get("tampered")
-            break
-        if record.get("nodeid") in wanted and isinstance(record.get("message", ""), str):
-            phases.setdefault(record["nodeid"], []).append(record)
+    """Each test's outcome from the reporter's lines; unreported tests count as failed.
+
+    The run's status is ``timeout`` if it ran out of time, else ``error`` if the report is
+    malformed (every test then fails, flagged), a test was flagged, pytest was tampered with
+    or the session did not finish; else ``failed`` or ``passed``.
+    """
+    try:
+        records, finished, tampered = _records(data, set(ids))
+    except MalformedReport as exc:
+        detail = f"malformed report record: {exc}"
+        failed = [TestOutcome(nodeid, "failed", detail) for nodeid in ids]
+        return failed, "timeout" if timed_out else "error", detail
+    phases: dict[str, list[Record]] = {}
+    for record in records:
+        phases.setdefault(record.nodeid, []).append(record)
     unreported = "timeout" if timed_out else "missing"
     outcomes = []
+    flags = []
     for nodeid in ids:
-        records = phases.get(nodeid, [])
-        failed = [r for r in records if r.get("outcome") == "failed"]
-        called = any(r.get("when") == "call" and r.get("outcome") == "passed" for r in records)
-        if tampered or failed:
-            message = (
-                f"pytest was tampered with: {tampered}"
-                if tampered
-                else failed[0].get("message", "")
-            )
-            outcomes.append(TestOutcome(nodeid, "failed", message))
-        elif called:
+        own = phases.get(nodeid, [])
+        flagged = next((r.flagged for r in own if r.flagged is not None), None)
+        failed = [r for r in own if r.outcome == "failed"]
+        if tampered is not None:
+            outcomes.append(TestOutcome(nodeid, "failed", f"pytest was tampered with: {tampered}"))
+        elif flagged is not None:
+            flags.append(f"{nodeid.partition('::')[2]}: {flagged}")
+            outcomes.append(TestOutcome(nodeid, "failed", flagged))
+        elif failed:
+            outcomes.append(TestOutcome(nodeid, "failed", failed[0].message))
+        elif any(r.when == "call" and r.outcome == "passed" for r in own):
             outcomes.append(TestOutcome(nodeid, "passed"))
         else:
             outcomes.append(TestOutcome(nodeid, unreported, "never reported"))
     if timed_out:
         return outcomes, "timeout", f"killed after {timeout:.0f} s"
-    if tampered:
+    if tampered is not None:
         return outcomes, "error", f"pytest was tampered with ({tampered})"
+    if flags:
+        more = f" (and {len(flags) - 1} more flagged)" if len(flags) > 1 else ""
+        return outcomes, "error", flags[0] + more
     if not finished:
         return outcomes, "error", "the test process ended before the session finished"
     passed = all(o.outcome == "passed" for o in outcomes)

@@ -3,11 +3,17 @@
 The JSON form (``vkv-grade/1``) is what the auto-grading workflow passes from the unprivileged
 job to the one that comments; that job validates it and renders the comment itself
 (``comment.py``), so nothing a submission prints reaches a comment.
+
+Every form says when the grade is only a progress check (``GradeReport.progress_check``: no
+sandbox, or a tree graded by its own tests): the table's last line, ``"progress_check": true``
+and a ``"note"`` in JSON, the first line of Gradescope's ``output``, a quoted line in Markdown.
+Each also gives the grade's seed (``VKV_GRADE_SEED``).
 """
 
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vkv.assignment import comment
@@ -28,7 +34,11 @@ def as_dict(report: GradeReport) -> dict:
         "not_graded": report.not_graded,
         "files": report.files,
         "sandboxed": report.sandboxed,
+        "progress_check": report.progress_check,
+        "seed": report.seed,
     }
+    if report.progress_check:
+        document["note"] = report.note
     if report.isolated is not None:
         document["isolated"] = [_part(result) for result in report.isolated]
         document["isolated_score"] = round(sum(r.score for r in report.isolated), 2)
@@ -40,7 +50,7 @@ def _part(result: PartResult) -> dict:
         "id": result.part.id,
         "title": result.part.title,
         "status": result.status,
-        "detail": result.detail,
+        "detail": result.full_detail,
         "score": result.score,
         "max_score": result.part.points,
         "passed": result.passed,
@@ -55,17 +65,21 @@ def as_json(report: GradeReport) -> str:
 
 def as_markdown(report: GradeReport) -> str:
     parts = {r.part.id: (r.part.title, r.part.points) for r in report.parts}
-    return comment.as_markdown(comment.validate(as_dict(report), parts))
+    text = comment.as_markdown(comment.validate(as_dict(report), parts))
+    return text + f"\n> {_sandbox_line(report)}\n"
 
 
 def as_gradescope(report: GradeReport) -> str:
     """Gradescope's ``results.json``: one entry per part, and one for its hidden tests if any.
 
     A part's points are split between its visible and hidden tests by their numbers; hidden
-    entries are shown ``after_due_date``.
+    entries are shown ``after_due_date``. Each entry scores its own tests' share; the top-level
+    ``score`` (which Gradescope takes over the entries' sum) is the grade's, where a part with
+    hidden tests scores its points times the lower of the two shares.
     """
     tests = []
     for result in report.parts:
+        details = {False: result.detail, True: result.full_detail}  # visible: no hidden shares
         for hidden in (False, True):
             group = [t for t in result.tests if t.hidden is hidden]
             if not group:
@@ -83,17 +97,19 @@ def as_gradescope(report: GradeReport) -> str:
                     "status": "passed" if passed == len(group) else "failed",
                     "output": _clip(
                         f"{passed}/{len(group)} tests passed ({result.status}"
-                        + (f": {result.detail}" if result.detail else "")
+                        + (f": {detail}" if (detail := details[hidden]) else "")
                         + ")\n"
                         + "\n".join(failures)
                     ),
                     "visibility": "after_due_date" if hidden else "visible",
                 }
             )
-    lines = [f"{path} sha256 {digest}" for path, digest in sorted(report.files.items())]
+    lines = [_sandbox_line(report)] if report.progress_check else []
+    lines += [f"{path} sha256 {digest}" for path, digest in sorted(report.files.items())]
     lines += [f"not graded: protected file modified: {path}" for path in report.protected_modified]
     lines += list(report.not_graded.values())
-    lines.append(_sandbox_line(report))
+    if not report.progress_check:
+        lines.append(_sandbox_line(report))
     document = {
         "score": report.score,
         "execution_time": round(report.execution_time),
@@ -122,7 +138,7 @@ def print_table(report: GradeReport, console: Console) -> None:
             result.part.title,
             f"{result.passed}/{result.total}",
             f"[{color}]{result.status}[/{color}]"
-            + (f" ({result.detail})" if result.detail else ""),
+            + (f" ({escape(result.full_detail)})" if result.full_detail else ""),
             f"{result.score:g}/{result.part.points:g}",
         ]
         if alone is not None:
@@ -144,13 +160,15 @@ def print_table(report: GradeReport, console: Console) -> None:
         console.print(f"[yellow]not graded: protected file modified: {path}[/yellow]")
     for reason in report.not_graded.values():
         console.print(f"[yellow]{reason}[/yellow]", highlight=False)
-    console.print(_sandbox_line(report), highlight=False)
+    line = escape(_sandbox_line(report))
+    console.print(f"[bold yellow]{line}[/bold yellow]" if report.progress_check else line)
 
 
 def _sandbox_line(report: GradeReport) -> str:
-    if report.sandboxed:
-        return "graded in a bubblewrap sandbox"
-    return "graded without a sandbox (no usable bubblewrap): the static policy only"
+    """How the grade ran, with its seed; for a progress check, the note saying why it is one."""
+    where = "in a bubblewrap sandbox" if report.sandboxed else "without a sandbox"
+    line = f"graded {where}, seed {report.seed}"
+    return f"{report.note[0].upper()}{report.note[1:]} ({line})" if report.progress_check else line
 
 
 def _clip(text: str) -> str:

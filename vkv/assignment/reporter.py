@@ -1,35 +1,75 @@
-"""The grader's pytest plugin: one JSON line per test phase, and a guard against tampering.
+"""The grader's pytest plugin: every test in a process of its own, a checked report, a guard.
 
-``vkv grade`` runs pytest with ``-p vkv.assignment.reporter`` (plugin autoloading off, the
-grader's own configuration, no conftest) and reads the results from the pipe whose file
-descriptor is ``VKV_GRADE_REPORT_FD``, never from pytest's exit code or anything the tests
-print.
+``vkv grade`` runs pytest with ``-p vkv.assignment.reporter`` and ``--capture=no`` (plugin
+autoloading off, the grader's own configuration, no conftest) and reads the results from the
+pipe whose file descriptor is ``VKV_GRADE_REPORT_FD``, never from pytest's exit code or anything
+the tests print.
 
-The guard: when pytest is configured, before any test module (and so any submitted code) is
-imported, it records every function of pytest's runner, reports and collection machinery, of
-the ``pytest`` namespace and of ``builtins``, with its code object, and the registered plugins
-(when the session starts, just before collection).
-After collection and after every test it compares: a graded module that patched pytest (to pass
-every test, say) is caught, and every result of the run is marked as tampered, which the grader
-scores as failed. Each test item's function (``obj``, ``_obj``, ``function``) and its code are
+**One process per test.** The pytest process (the *parent*) collects the tests and runs none:
+collection imports the graded modules, but submitted code sits in function bodies (the static
+policy's rule), so none of it runs there. For each test item the parent forks a *child*, which
+closes every file descriptor but 0 to 2 and the write end of a pipe made for it alone (so the
+grader's pipe among them), runs the item's setup, call and teardown
+(``_pytest.runner.runtestprotocol`` with no next item: module- and session-scoped fixtures are
+set up and torn down in each child), checks the guard, writes its reports to its pipe as JSON
+lines (``pytest_report_to_serializable``) and leaves with ``os._exit``. The parent, made
+non-dumpable first (``PR_SET_DUMPABLE`` 0, so that no child can open ``/proc/<parent>/fd/N``
+or ptrace it; a process with ``CAP_SYS_PTRACE``, root outside the sandbox, still can: one
+reason a grade without the sandbox is only a progress check), reads at most
+``MAX_TEST_REPORT_BYTES`` for at most ``VKV_GRADE_TEST_TIMEOUT`` seconds (default 300), reaps
+the child and kills its process group (the child dies with the parent, too). It accepts a
+child's report only if every line is a TestReport for that item's node id, with each of setup,
+call and teardown at most once (call exactly when setup passed, setup and teardown always), and
+the child exited with status 0. Anything else (a record for another test, a second record for a
+phase, a non-dict, a list where a string belongs, bad JSON, a death by a signal, a nonzero
+status, no report) makes that test a *flagged* failure, whose message says what was seen ("the
+test process reported for another test", "malformed report record: ...", "the test process
+died (signal 9)"). A child's code can so speak for its own test only.
+
+The parent writes the checked result to the grader's pipe, one line per phase:
+``{"nodeid", "when", "outcome", "message", "flagged"}`` (``flagged``: None, or why the test
+failed whatever it reported), and last ``{"event": "finished", "tampered": None | str}``, which
+tells the grader the session was not cut short.
+
+pytest-forked does the same fork per test, but its child inherits every file descriptor of the
+parent (the grader's pipe included) and its report comes back unchecked, so it is not used.
+
+**The guard.** When pytest is configured, before any test module (and so any submitted code) is
+imported, it records the identity of every function, class and descriptor (and each function's
+code object) of pytest's runner, reports and collection machinery, of the ``pytest`` namespace,
+of ``builtins``, of Hypothesis and of this module, and of the members of their classes, with
+the hooks and the registered plugins (when the session starts, just before collection). The
+modules a part may import (``PART_MODULES``: torch, ``torch.nn.functional``, ``math``,
+``heapq``...) are recorded the same way, when the session starts if they are imported then, else
+after collection. Each test item's function (``obj``, ``_obj``, ``function``) and its code are
 recorded after collection and checked before and after the test runs, and no profile or trace
-function may be installed. The last line, ``finished``, tells the grader the session was not cut
-short.
+function may be installed. The child checks all of it after its test: a change makes its
+test fail (the call's report, else the setup's, says "pytest was tampered with: torch.equal",
+say), which the parent flags. The parent checks it after collection and after every test: a
+change there (only code run at collection could make one) marks every later test and the
+``finished`` line as tampered, which the grader scores as failed.
 
 This is the last of three layers. The static policy (``policy.py``) keeps submitted code from
 naming anything it would need to tamper with, and the sandbox (``sandbox.py``) bounds what an
-escape could reach; the guard catches tampering that got past both from inside the process. It
-cannot stop code running in this process from forging what this process writes.
+escape could reach; the guard catches tampering that got past both from inside a test process,
+and the fork confines what is left to the one test whose process it ran in.
 """
 
 import builtins
 import contextlib
 import importlib
 import json
+import operator
 import os
+import select
+import signal
 import sys
+import time
+import types
+from collections.abc import Callable, Mapping
 
 import pytest
+from _pytest.runner import runtestprotocol
 
 GUARDED_MODULES = (
     "vkv.assignment.reporter",
@@ -52,26 +92,117 @@ GUARDED_MODULES = (
     "pytest",
     "builtins",
 )
+PART_MODULES = (
+    "torch",
+    "torch.nn.functional",
+    "math",
+    "heapq",
+    "bisect",
+    "collections",
+    "itertools",
+    "xxhash",
+    "struct",
+)
+TAMPERED = "pytest was tampered with"
+PHASES = ("setup", "call", "teardown")
+OUTCOMES = ("passed", "failed", "skipped")
+MAX_TEST_REPORT_BYTES = 8 << 20
+MAX_MESSAGE = 4000
+CHILD_GRACE = 1.0  # seconds to wait for the pipe's end after the child exited
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+CHILD_FAILED = 70  # the child's status when its own protocol raised
 
 
-def _snapshot(config: pytest.Config) -> dict[str, object]:
-    """Every guarded function, class and descriptor (with its code), and the plugin names."""
-    state: dict[str, object] = {}
-    for name in GUARDED_MODULES:
+class Guard:
+    """The identity of every function, class and descriptor of some namespaces, kept live.
+
+    ``add_module`` records a module's namespace and those of its classes; ``changed`` names the
+    first entry that is no longer the same object (or whose function has other code), is gone,
+    or is new and callable, and None if there is none. Data entries may change. A check runs
+    at C speed (``itemgetter``, ``map``) and names the entry only when it found a change.
+    """
+
+    def __init__(self) -> None:
+        self.modules: dict[str, object] = {}
+        self.namespaces: list[Namespace] = []
+
+    def add_module(self, name: str) -> None:
         module = sys.modules.get(name)
-        state[f"sys.modules[{name}]"] = module
-        for attr, value in vars(module).items() if module is not None else ():
-            if _behaves(value):
-                state[f"{name}.{attr}"] = (value, getattr(value, "__code__", None))
+        self.modules[name] = module
+        if module is None:
+            return
+        self.add_namespace(name, vars(module))
+        for attr, value in list(vars(module).items()):
             if isinstance(value, type):
-                for member, inner in vars(value).items():
-                    if _behaves(inner):
-                        key = f"{name}.{attr}.{member}"
-                        state[key] = (inner, getattr(inner, "__code__", None))
-    state["plugins"] = tuple(name for name, _ in config.pluginmanager.list_name_plugin())
-    for name, caller in vars(config.hook).items():
-        state[f"config.hook.{name}"] = caller
-    return state
+                self.add_namespace(f"{name}.{attr}", vars(value))
+
+    def add_namespace(self, prefix: str, namespace: Mapping) -> None:
+        self.namespaces.append(Namespace(prefix, namespace))
+
+    def changed(self) -> str | None:
+        for name, module in self.modules.items():
+            if sys.modules.get(name) is not module:
+                return f"sys.modules[{name}]"
+        for namespace in self.namespaces:
+            found = namespace.changed()
+            if found is not None:
+                return found
+        return None
+
+
+class Namespace:
+    """One guarded namespace (a module's or a class's ``__dict__``, read live)."""
+
+    def __init__(self, prefix: str, namespace: Mapping) -> None:
+        self.prefix = prefix
+        self.namespace = namespace
+        self.keys = frozenset(namespace)
+        entries = {key: value for key, value in list(namespace.items()) if _behaves(value)}
+        self.names = tuple(entries)
+        self.values = tuple(entries.values())
+        self.get = _getter(self.names)
+        functions = {key: _function(value) for key, value in entries.items()}
+        self.functions = tuple((k, f) for k, f in functions.items() if f is not None)
+        self.codes = tuple(f.__code__ for _, f in self.functions)
+
+    def changed(self) -> str | None:
+        try:
+            same = all(map(operator.is_, self.get(self.namespace), self.values))
+        except KeyError:
+            same = False
+        if not same:
+            for key, value in zip(self.names, self.values, strict=True):
+                if self.namespace.get(key, _MISSING) is not value:
+                    return f"{self.prefix}.{key}"
+        code = map(operator.attrgetter("__code__"), (f for _, f in self.functions))
+        if not all(map(operator.is_, code, self.codes)):
+            for (key, function), code in zip(self.functions, self.codes, strict=True):
+                if function.__code__ is not code:
+                    return f"{self.prefix}.{key}"
+        if self.namespace.keys() != self.keys:
+            for key in self.namespace.keys() - self.keys:
+                if _behaves(self.namespace.get(key)):
+                    return f"{self.prefix}.{key}"
+            self.keys = frozenset(self.namespace)  # data entries only: they may change
+        return None
+
+
+_MISSING = object()
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[Mapping], tuple]:
+    """A function from a namespace to the tuple of its values at ``names``."""
+    if len(names) > 1:
+        return operator.itemgetter(*names)
+    return lambda namespace: tuple(namespace[name] for name in names)
+
+
+def _function(value: object) -> types.FunctionType | None:
+    """The Python function behind a function, static or class method (its code can be
+    swapped), else None."""
+    function = value.__func__ if isinstance(value, staticmethod | classmethod) else value
+    return function if isinstance(function, types.FunctionType) else None
 
 
 def _behaves(value: object) -> bool:
@@ -85,11 +216,23 @@ def _test_function(item: pytest.Item) -> tuple[object, ...]:
     return found + tuple(getattr(f, "__code__", None) for f in found)
 
 
+def _same(a: tuple[object, ...] | None, b: tuple[object, ...] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+Result = tuple[list[tuple[str, str, str]], str | None]  # (when, outcome, message)s, flagged
+
+
 class Reporter:
-    def __init__(self, config: pytest.Config, fd: int) -> None:
+    def __init__(self, config: pytest.Config, fd: int, test_timeout: float) -> None:
         self.config = config
+        self.pid = os.getpid()
         self.out = os.fdopen(fd, "w", encoding="utf-8")
-        self.baseline: dict[str, object] = {}
+        self.test_timeout = test_timeout
+        self.guard = Guard()
+        self.plugins: tuple[str, ...] = ()
         self.functions: dict[str, tuple[object, ...]] = {}
         self.tampered: str | None = None
 
@@ -97,29 +240,37 @@ class Reporter:
         self.out.write(json.dumps(record) + "\n")
         self.out.flush()
 
+    def plugin_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.config.pluginmanager.list_name_plugin())
+
     def verify(self) -> None:
+        """Set ``tampered`` to what changed since the guard was armed, if anything did."""
         if self.tampered is not None:
             return
         if sys.getprofile() is not None or sys.gettrace() is not None:
             self.tampered = "a profile or trace function was installed"
-            return
-        now = _snapshot(self.config)
-        for key, value in self.baseline.items():
-            if not _same(now.get(key), value):
-                self.tampered = key
-                return
-        extra = set(now) - set(self.baseline)
-        if extra:
-            self.tampered = sorted(extra)[0]
+        elif self.plugin_names() != self.plugins:
+            self.tampered = "plugins"
+        else:
+            self.tampered = self.guard.changed()
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        self.baseline = _snapshot(self.config)  # before collection imports any test module
+        for name in GUARDED_MODULES:  # before collection imports any test module
+            self.guard.add_module(name)
+        for name in PART_MODULES:
+            if name in sys.modules:
+                self.guard.add_module(name)
+        self.guard.add_namespace("config.hook", vars(self.config.hook))
+        self.plugins = self.plugin_names()
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.functions = {item.nodeid: _test_function(item) for item in session.items}
         self.verify()
+        for name in PART_MODULES:  # imported by collection: no submitted code has run yet
+            if name in sys.modules and name not in self.guard.modules:
+                self.guard.add_module(name)
 
     def check_item(self, item: pytest.Item) -> None:
         if self.tampered is not None:
@@ -137,17 +288,109 @@ class Reporter:
     def pytest_runtest_teardown(self, item: pytest.Item) -> None:
         self.check_item(item)
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.verify()
-        record = {
-            "nodeid": report.nodeid,
-            "when": report.when,
-            "outcome": report.outcome,
-            "message": str(report.longrepr)[-4000:] if report.failed else "",
-        }
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool:
+        """Run ``item`` in a child process; write its checked result to the grader's pipe."""
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        self.check_item(item)
+        if self.tampered is None:
+            phases, flagged = self.run_alone(item)
+            self.verify()
         if self.tampered is not None:
-            record |= {"outcome": "failed", "message": f"pytest was tampered with: {self.tampered}"}
-        self.write(record)
+            flagged = f"{TAMPERED}: {self.tampered}"
+            phases = [("call", "failed", flagged)]
+        for when, outcome, message in phases:
+            record = {"nodeid": item.nodeid, "when": when, "outcome": outcome}
+            self.write(record | {"message": message, "flagged": flagged})
+            report = pytest.TestReport(
+                item.nodeid, item.location, {}, outcome, message or None, when
+            )
+            item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def run_alone(self, item: pytest.Item) -> Result:
+        """Fork a child to run ``item``; its reports, checked, or a flagged failure."""
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            self.child(item, write_end)  # never returns
+        os.close(write_end)
+        with contextlib.suppress(OSError):
+            os.setpgid(pid, pid)
+        try:
+            data, status, problem = self.read_child(pid, read_end)
+        finally:
+            os.close(read_end)
+        if problem is not None:
+            return [("call", "failed", problem)], problem
+        return _checked(item, data, status)
+
+    def child(self, item: pytest.Item, write_end: int) -> None:
+        """In the child: run the test, check the guard, send the reports, leave."""
+        status = CHILD_FAILED
+        try:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed run takes its test along
+            if os.getppid() != self.pid:
+                return
+            os.setpgid(0, 0)
+            os.closerange(3, write_end)
+            os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
+            reports = runtestprotocol(item, nextitem=None, log=False)
+            self.verify()
+            if self.tampered is not None:  # the call's report, else the setup's, says so
+                report = next((r for r in reports if r.when == "call"), reports[0])
+                report.outcome, report.longrepr = "failed", f"{TAMPERED}: {self.tampered}"
+            lines = []
+            for report in reports:
+                data = self.config.hook.pytest_report_to_serializable(
+                    config=self.config, report=report
+                )
+                lines.append(json.dumps(data, default=str).encode() + b"\n")
+            payload = memoryview(b"".join(lines))
+            while payload:
+                payload = payload[os.write(write_end, payload) :]
+            status = 0
+        finally:
+            os._exit(status)
+
+    def read_child(self, pid: int, fd: int) -> tuple[bytes, int, str | None]:
+        """What the child wrote, its wait status, and what went wrong reading it, if anything.
+
+        Reads until the pipe's end (or ``CHILD_GRACE`` after the child exited, a process it
+        started may hold the pipe), ``MAX_TEST_REPORT_BYTES`` or the per-test time limit; then
+        kills the child's process group and reaps the child.
+        """
+        deadline = time.monotonic() + self.test_timeout
+        chunks: list[bytes] = []
+        size, status, exited_at, problem = 0, None, None, None
+        while True:
+            now = time.monotonic()
+            if status is None:
+                done, wait_status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status, exited_at = wait_status, now
+            if exited_at is not None and now - exited_at > CHILD_GRACE:
+                break
+            if now > deadline:
+                problem = f"the test ran past {self.test_timeout:g} s and was killed"
+                break
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_TEST_REPORT_BYTES:
+                problem = f"the test process wrote more than {MAX_TEST_REPORT_BYTES} bytes"
+                break
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        if status is None:
+            _, status = os.waitpid(pid, 0)
+        return b"".join(chunks), status, problem
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.verify()
@@ -155,10 +398,70 @@ class Reporter:
         self.out.close()
 
 
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
-    return a is b
+def _checked(item: pytest.Item, data: bytes, status: int) -> Result:
+    """The child's reports of ``item`` as (when, outcome, message), and why they are refused if
+    they are (then a single failed call carries the reason)."""
+    phases: dict[str, tuple[str, str]] = {}
+    problem = None
+    for line in data.splitlines():
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            problem = "malformed report record: not JSON"
+        else:
+            problem = _record_problem(item, record, phases)
+        if problem is not None:
+            break
+    if problem is None and os.WIFSIGNALED(status):
+        problem = f"the test process died (signal {os.WTERMSIG(status)})"
+    elif problem is None and os.WEXITSTATUS(status) != 0:
+        problem = f"the test process exited with status {os.WEXITSTATUS(status)}"
+    elif problem is None:
+        setup = phases.get("setup", ("", ""))[0]
+        wanted = set(PHASES) if setup == "passed" else {"setup", "teardown"}
+        if set(phases) != wanted:
+            problem = f"the test process reported the phases {sorted(phases)} only"
+    if problem is not None:
+        return [("call", "failed", problem)], problem
+    tampered = [m for outcome, m in phases.values() if m.startswith(f"{TAMPERED}: ")]
+    return [(when, *phases[when]) for when in PHASES if when in phases], next(iter(tampered), None)
+
+
+def _record_problem(
+    item: pytest.Item, record: object, phases: dict[str, tuple[str, str]]
+) -> str | None:
+    """Why ``record`` is not a report of one more phase of ``item``; else None, and the phase's
+    (outcome, message) added to ``phases``."""
+    if not isinstance(record, dict) or record.get("$report_type") != "TestReport":
+        return "malformed report record: not a test report"
+    nodeid, when, outcome = record.get("nodeid"), record.get("when"), record.get("outcome")
+    if not isinstance(nodeid, str) or not isinstance(when, str) or not isinstance(outcome, str):
+        return "malformed report record: nodeid, when and outcome must be strings"
+    if nodeid != item.nodeid:
+        return f"the test process reported for another test ({nodeid[:200]!r})"
+    if when not in PHASES or outcome not in OUTCOMES:
+        return f"malformed report record: phase {when[:20]!r}, outcome {outcome[:20]!r}"
+    if when in phases:
+        return f"malformed report record: a second record for the {when} phase"
+    message = ""
+    if outcome != "passed":
+        try:
+            report = item.config.hook.pytest_report_from_serializable(
+                config=item.config, data=record
+            )
+            message = str(report.longrepr)[-MAX_MESSAGE:]
+        except Exception as exc:  # any shape pytest cannot read back is malformed
+            return f"malformed report record: {type(exc).__name__} reading its failure"
+    phases[when] = (outcome, message)
+    return None
+
+
+def _prctl(option: int, value: int) -> None:
+    """``prctl(option, value)`` where the C library has it (Linux); nothing elsewhere."""
+    with contextlib.suppress(ImportError, OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -166,8 +469,16 @@ def pytest_configure(config: pytest.Config) -> None:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     fd = os.environ.pop("VKV_GRADE_REPORT_FD", None)
-    if fd is not None:
-        config.pluginmanager.register(Reporter(config, int(fd)), "vkv-grade-reporter")
+    test_timeout = float(os.environ.pop("VKV_GRADE_TEST_TIMEOUT", "300"))
+    if fd is None:
+        return
+    if config.getoption("capture", "no") != "no":
+        raise pytest.UsageError(
+            "vkv.assignment.reporter runs each test in a child process that closes the "
+            "capture's files: run pytest with --capture=no"
+        )
+    _prctl(PR_SET_DUMPABLE, 0)  # no process of this user may ptrace it or open its fds
+    config.pluginmanager.register(Reporter(config, int(fd), test_timeout), "vkv-grade-reporter")
 
 
 _ = builtins  # guarded by name in GUARDED_MODULES; imported so that it is in sys.modules

@@ -4,8 +4,9 @@ Every test process runs ``python -S -I -B``: no ``site`` (so no ``.pth`` file, a
 editable install of this repository, is read), no environment variables or user site, no
 bytecode written; its module path is built here, explicitly: the graded tree, then the
 interpreter's own site-packages. Its environment is a short fixed list, so nothing of the
-grader's (tokens, ``VIRTUAL_ENV``...) reaches it. Results come back through a pipe (the
-reporter writes to the file descriptor ``VKV_GRADE_REPORT_FD``), never through a file.
+grader's (tokens, ``VIRTUAL_ENV``...) reaches it; it holds the grade's seed,
+``VKV_GRADE_SEED``. Results come back through a pipe (the reporter writes to the file
+descriptor ``VKV_GRADE_REPORT_FD``), never through a file.
 
 Where bubblewrap (``bwrap``, Debian's ``bubblewrap``) works, the process also runs inside it:
 new user, PID, network, IPC and UTS namespaces, as uid 65534; the system libraries, the
@@ -35,14 +36,17 @@ SYSTEM_FILES = (
     "/etc/nsswitch.conf",
     "/etc/localtime",
 )
+PROBE_TIMEOUTS = (30.0, 60.0, 120.0)  # seconds, one try each
 BOOT = (
     "import os, sys; sys.path[:0] = sys.argv[1].split(os.pathsep); del sys.argv[1]; import pytest; "
     "sys.exit(pytest.main(sys.argv[1:]))"
 )
 
 
-def environment(**extra: str) -> dict[str, str]:
-    """The test process's whole environment."""
+def environment(seed: int | None = None, **extra: str) -> dict[str, str]:
+    """The test process's whole environment: a fixed list, the grade's ``VKV_GRADE_SEED`` when
+    ``seed`` is given, and ``extra``."""
+    seeded = {} if seed is None else {"VKV_GRADE_SEED": str(seed)}
     return {
         "PATH": "/usr/bin:/bin",
         "HOME": "/tmp",
@@ -50,6 +54,7 @@ def environment(**extra: str) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
         "VKV_HYPOTHESIS_SHRINK": "0",  # pass or fail is all a grade needs
+        **seeded,
         **extra,
     }
 
@@ -62,15 +67,28 @@ def python_command(tree: str, pytest_args: list[str]) -> list[str]:
 
 @functools.cache
 def available() -> bool:
-    """Whether bubblewrap can build the sandbox here (it needs unprivileged user namespaces)."""
+    """Whether bubblewrap can build the sandbox here (it needs unprivileged user namespaces).
+
+    The probe (an interpreter started in the sandbox) is tried with each limit of
+    ``PROBE_TIMEOUTS`` in turn while it times out: a busy machine is slow, not sandbox-less.
+    Raises ``RuntimeError`` if every try timed out.
+    """
     if shutil.which("bwrap") is None:
         return False
     probe = [*_bwrap_prefix(Path("/tmp")), sys.executable, "-S", "-I", "-c", "pass"]
-    try:
-        done = subprocess.run(probe, capture_output=True, timeout=30, env=environment())
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
+    for limit in PROBE_TIMEOUTS:
+        try:
+            done = subprocess.run(probe, capture_output=True, timeout=limit, env=environment())
+        except subprocess.TimeoutExpired:
+            continue
+        except OSError:
+            return False
+        return done.returncode == 0
+    raise RuntimeError(
+        f"the bubblewrap probe timed out {len(PROBE_TIMEOUTS)} times (after "
+        f"{', '.join(f'{t:g}' for t in PROBE_TIMEOUTS)} s): the machine is too busy to tell "
+        "whether the sandbox works; grade again when it is less loaded"
+    )
 
 
 def why_unavailable() -> str:
