@@ -1,34 +1,477 @@
-"""Hidden tests for Phase 3: instructor-only (left out of the student edition)."""
+"""Hidden tests for Phase 3: instructor-only (left out of the student edition).
 
+They check the rules of ``assignment/phase3.md`` as ``tests/test_phase3.py`` does, on tensors,
+shapes, magnitudes, offsets and model sizes drawn from the grade's seed, so a table of the
+visible tests' answers cannot pass them. Every test gets its ``rng`` from ``@seeded``
+(``test_seed.py``: the seed is ``VKV_GRADE_SEED``, or a fresh one when it is unset, and every
+failure names it); tensors come from a ``torch.Generator`` seeded from that ``rng``. Expected
+values are computed here in float64 Python arithmetic from the handout's formulas.
+
+The torch functions the assertions compare with are bound here, before ``vkv.engine`` is
+imported (the third-party imports come first): a solution region that replaced
+``torch.equal`` or ``torch.allclose`` later would not change what these tests compare with.
+"""
+
+import math
+
+import pytest
 import torch
+from test_seed import seeded
+from torch import allclose, equal, isnan
 
-from vkv.engine.quantizer import Quantizer, bytes_per_token, pack_int4, unpack_int4
+from vkv.engine.quantizer import (
+    QuantizedTensor,
+    Quantizer,
+    _channel_range,
+    bytes_per_token,
+    pack_int4,
+    unpack_int4,
+)
+
+EPS = 1e-6  # the float32 allowance of the visible tests: EPS * max|x| on top of scale / 2
 
 
-def test_part1_a_large_offset_keeps_the_bound():
-    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(7)) + 1e4
+def generator(rng) -> torch.Generator:
+    return torch.Generator().manual_seed(rng.getrandbits(63))
+
+
+def draw_tensor(rng, min_dims: int = 1, even_last: bool = False) -> torch.Tensor:
+    """A float32 tensor of 1 to 4 dimensions, magnitudes 1e-3 to 1e4, offsets up to 1e4, some
+    groups along the last dimension constant."""
+    dims = rng.randint(min_dims, 4)
+    shape = [rng.randint(1, 5) for _ in range(dims - 1)]
+    last = rng.randint(1, 24) * (2 if even_last else 1)
+    magnitude = 10 ** rng.uniform(-3, 4)
+    offset = rng.choice([0.0, 0.0, 5.0, -37.0, 1e3, -1e4 * rng.random()])
+    x = torch.randn(*shape, last, generator=generator(rng)) * magnitude + offset
+    rows = x.view(-1, last)
+    for row in range(rows.shape[0]):
+        if rng.random() < 0.15:
+            rows[row] = rows[row, rng.randrange(last)].item()
+    return x
+
+
+def groups(x: torch.Tensor) -> list[list[float]]:
+    """The per-token groups (rows along the last dimension) as Python floats."""
+    return x.reshape(-1, x.shape[-1]).double().tolist()
+
+
+def assert_within_half_a_step(x: torch.Tensor, scale: torch.Tensor, back: torch.Tensor) -> None:
+    error = (x.double() - back.double()).abs()
+    allowed = scale.double() / 2 + EPS * float(x.abs().max())
+    worst = float((error - allowed).max())
+    assert worst <= 0, (
+        f"|x - dequantize(quantize(x))| must be <= scale / 2 per element (plus {EPS} * max|x| "
+        f"for float32): it exceeds that by {worst:.3g} for x of shape {list(x.shape)}, "
+        f"max|x| {float(x.abs().max()):.4g}"
+    )
+
+
+def check_codes(values: list[float], low: float, high: float, codes: list[int], levels: int):
+    """code = clamp(round((x - min) / scale), 0, L), from the float64 formula: exact except
+    within 1e-3 of a half, where float32 may round either way."""
+    scale = (high - low) / levels
+    if scale == 0:
+        return  # a constant group: any code works
+    for x, code in zip(values, codes, strict=True):
+        exact = min(max((x - low) / scale, 0.0), levels)
+        near = round(exact)
+        ok = (
+            {near}
+            if abs(abs(exact - math.floor(exact)) - 0.5) > 1e-3
+            else {
+                math.floor(exact),
+                math.ceil(exact),
+            }
+        )
+        assert code in ok, (
+            f"x = {x!r} in a group of min {low!r} and max {high!r}: (x - min) / scale = "
+            f"{exact:.6f}, so code = round(...) = {sorted(ok)}, got {code}"
+        )
+
+
+# ---- Part 3.1: the Quantizer, INT8 per token -------------------------------------------------
+
+
+@seeded
+def test_part1_zero_is_each_tokens_minimum_and_scale_its_range_over_255(rng):
     quantizer = Quantizer(8)
-    q = quantizer.quantize(x)
-    error = (quantizer.dequantize(q) - x).abs()
-    assert bool((error <= q.scale / 2 + 1e-6 * x.abs().max()).all())
+    for _ in range(6):
+        x = draw_tensor(rng)
+        q = quantizer.quantize(x)
+        want = [*x.shape[:-1], 1]
+        assert list(q.scale.shape) == want and list(q.zero.shape) == want, (
+            f"per token: one scale and one zero per group, shaped {want} for x of shape "
+            f"{list(x.shape)}; got {list(q.scale.shape)} and {list(q.zero.shape)}"
+        )
+        assert q.scale.dtype == q.zero.dtype == torch.float32 and q.bits == 8
+        assert q.codes.dtype == torch.uint8 and q.codes.shape == x.shape, (
+            f"INT8 keeps one uint8 code per element: uint8 {list(x.shape)} expected, got "
+            f"{q.codes.dtype} {list(q.codes.shape)}"
+        )
+        lows = [min(g) for g in groups(x)]
+        ranges = [(max(g) - min(g)) / 255 for g in groups(x)]
+        assert q.zero.flatten().double().tolist() == lows, "zero is each group's minimum, exactly"
+        got = q.scale.flatten().double()
+        assert allclose(got, torch.tensor(ranges, dtype=torch.float64), rtol=1e-5, atol=0), (
+            f"scale is (max - min) / 255 per group: expected {ranges[:4]}..., got "
+            f"{got.tolist()[:4]}..."
+        )
 
 
-def test_part2_packing_a_four_dimensional_block():
-    codes = torch.randint(0, 16, (3, 4, 5, 8), generator=torch.Generator().manual_seed(8))
-    codes = codes.to(torch.uint8)
-    packed = pack_int4(codes)
-    assert packed.shape == (3, 4, 5, 4)
-    assert torch.equal(packed[..., 0] & 0x0F, codes[..., 0])
-    assert torch.equal(unpack_int4(packed), codes)
+@seeded
+def test_part1_codes_round_to_the_nearest_level(rng):
+    quantizer = Quantizer(8)
+    for _ in range(6):
+        x = draw_tensor(rng)
+        codes = quantizer.quantize(x).codes.reshape(-1, x.shape[-1]).tolist()
+        for values, row in zip(groups(x), codes, strict=True):
+            check_codes(values, min(values), max(values), row, 255)
+            if max(values) > min(values):
+                low, high = values.index(min(values)), values.index(max(values))
+                assert (row[low], row[high]) == (0, 255), (
+                    f"a group's minimum gets code 0 and its maximum 255, got {row[low]} and "
+                    f"{row[high]}"
+                )
 
 
-def test_part3_a_single_token_block_is_exact():
-    keys = torch.randn(1, 2, 8, generator=torch.Generator().manual_seed(9))
-    quantizer = Quantizer(4, "per_channel")
-    assert torch.equal(quantizer.dequantize(quantizer.quantize(keys)), keys)
+@seeded
+def test_part1_the_round_trip_stays_within_half_a_step(rng):
+    quantizer = Quantizer(8)
+    for _ in range(8):
+        x = draw_tensor(rng)
+        q = quantizer.quantize(x)
+        back = quantizer.dequantize(q)
+        assert back.dtype == torch.float32 and back.shape == x.shape
+        assert not bool(isnan(back).any()), "nothing becomes NaN (a constant group: scale 0)"
+        assert_within_half_a_step(x, q.scale, back)
+        for values, again, scale in zip(
+            groups(x), groups(back), q.scale.flatten().tolist(), strict=True
+        ):
+            if max(values) == min(values):
+                assert again == values and scale == 0, (
+                    f"a constant group ({values[0]!r}) has scale 0 and dequantizes to itself "
+                    f"exactly, got scale {scale} and {again[:3]}..."
+                )
 
 
-def test_part4_vkv_tiny_formats():
-    assert bytes_per_token(4, 4, 32, "auto") == 2048
-    assert bytes_per_token(4, 4, 32, "int8") == 1152
-    assert bytes_per_token(4, 4, 32, "int4") == 640
+@seeded
+def test_part1_dequantize_is_code_times_scale_plus_zero(rng):
+    quantizer = Quantizer(8)
+    gen = generator(rng)
+    shape = [rng.randint(1, 5) for _ in range(rng.randint(0, 2))]
+    last = rng.randint(1, 16)
+    codes = torch.randint(0, 256, (*shape, last), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(*shape, 1, generator=gen) * 10 ** rng.uniform(-3, 2)
+    zero = (torch.rand(*shape, 1, generator=gen) - 0.5) * 10 ** rng.uniform(-2, 3)
+    back = quantizer.dequantize(QuantizedTensor(codes, scale, zero, 8))
+    want = codes.double() * scale.double() + zero.double()
+    assert back.dtype == torch.float32 and back.shape == codes.shape
+    tolerance = 1e-6 * float(want.abs().max()) + 1e-12
+    assert allclose(back.double(), want, rtol=1e-6, atol=tolerance), (
+        f"dequantize is code * scale + zero in float32: worst difference "
+        f"{float((back.double() - want).abs().max()):.3g}"
+    )
+
+
+@seeded
+def test_part1_bad_bits_granularities_and_tensors_are_refused(rng):
+    for bits in (
+        rng.choice([b for b in range(-3, 33) if b not in (4, 8)]),
+        float(rng.choice([4, 8])),
+        True,
+        str(rng.choice([4, 8])),
+    ):
+        with pytest.raises(ValueError) as raised:
+            Quantizer(bits)
+        assert str(raised.value) == f"bits must be 4 or 8, got {bits!r}", (
+            f"Quantizer({bits!r}): expected 'bits must be 4 or 8, got {bits!r}', got "
+            f"{raised.value!r}"
+        )
+    name = rng.choice(["per_block", "per_head", "token", "channel", "PER_TOKEN", ""])
+    with pytest.raises(ValueError) as raised:
+        Quantizer(8, name)
+    want = f"granularity must be one of per_token, per_channel, got {name!r}"
+    assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
+    x = draw_tensor(rng)
+    bads = []
+    for value in (float("nan"), math.inf, -math.inf):
+        bad = x.clone()
+        bad.view(-1)[rng.randrange(bad.numel())] = value
+        bads.append((bad, "cannot quantize NaN or infinite values"))
+    cases = [
+        *bads,
+        (
+            x.to(rng.choice([torch.int8, torch.int32, torch.int64, torch.uint8, torch.bool])),
+            "only a floating-point tensor can be quantized",
+        ),
+        (torch.empty(rng.randint(1, 3), 0), "cannot quantize an empty tensor or a scalar"),
+        (torch.tensor(rng.random()), "cannot quantize an empty tensor or a scalar"),
+        (torch.empty(0, dtype=torch.int32), "only a floating-point tensor can be quantized"),
+    ]
+    for tensor, want in cases:
+        with pytest.raises(ValueError) as raised:
+            Quantizer(8).quantize(tensor)
+        assert str(raised.value) == want, (
+            f"a {tensor.dtype} tensor of shape {list(tensor.shape)}: expected {want!r} (checked "
+            f"in the docstring's order), got {raised.value!r}"
+        )
+    odd = 2 * rng.randint(0, 20) + 1
+    with pytest.raises(ValueError) as raised:
+        Quantizer(4).quantize(torch.randn(rng.randint(1, 4), odd, generator=generator(rng)))
+    want = f"INT4 packs two codes per byte: the last dimension must be even, got {odd}"
+    assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
+
+
+@seeded
+def test_part1_half_precision_input_is_quantized_in_float32_and_left_alone(rng):
+    quantizer = Quantizer(8)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        x = (torch.randn(rng.randint(1, 6), rng.randint(2, 32), generator=generator(rng)) * 3).to(
+            dtype
+        )
+        before = x.clone()
+        q = quantizer.quantize(x)
+        assert equal(x, before), f"quantize must not modify its {dtype} input"
+        assert q.scale.dtype == q.zero.dtype == torch.float32, "scales and zeros are float32"
+        assert_within_half_a_step(x.float(), q.scale, quantizer.dequantize(q))
+
+
+# ---- Part 3.2: INT4, two codes per byte ------------------------------------------------------
+
+
+def draw_codes(rng, limit: int = 16) -> torch.Tensor:
+    shape = [rng.randint(1, 4) for _ in range(rng.randint(0, 3))]
+    return torch.randint(0, limit, (*shape, 2 * rng.randint(1, 12)), generator=generator(rng)).to(
+        torch.uint8
+    )
+
+
+@seeded
+def test_part2_byte_i_holds_code_2i_low_and_code_2i_plus_1_high(rng):
+    for _ in range(5):
+        codes = draw_codes(rng)
+        packed = pack_int4(codes)
+        want_shape = [*codes.shape[:-1], codes.shape[-1] // 2]
+        assert packed.dtype == torch.uint8 and list(packed.shape) == want_shape, (
+            f"[..., 2n] codes pack into [..., n] uint8 bytes: expected uint8 {want_shape}, got "
+            f"{packed.dtype} {list(packed.shape)}"
+        )
+        flat = codes.reshape(-1, codes.shape[-1]).tolist()
+        want = [[row[2 * i] | (row[2 * i + 1] << 4) for i in range(len(row) // 2)] for row in flat]
+        got = packed.reshape(-1, packed.shape[-1]).tolist()
+        assert got == want, (
+            "byte i = c[2i] | (c[2i + 1] << 4): the even code in the low nibble, the odd one in "
+            f"the high nibble; codes {flat[0]} pack to {[hex(b) for b in want[0]]}, got "
+            f"{[hex(b) for b in got[0]]}"
+        )
+
+
+@seeded
+def test_part2_unpack_reads_the_same_order_and_inverts_pack(rng):
+    for _ in range(5):
+        shape = [rng.randint(1, 4) for _ in range(rng.randint(0, 3))]
+        packed = torch.randint(0, 256, (*shape, rng.randint(1, 12)), generator=generator(rng))
+        packed = packed.to(torch.uint8)
+        codes = unpack_int4(packed)
+        flat = packed.reshape(-1, packed.shape[-1]).tolist()
+        want = [[c for b in row for c in (b & 0x0F, b >> 4)] for row in flat]
+        got = codes.reshape(-1, codes.shape[-1]).tolist()
+        assert codes.dtype == torch.uint8 and got == want, (
+            f"unpack_int4: each byte gives its low nibble, then its high nibble; bytes "
+            f"{[hex(b) for b in flat[0]]} give {want[0]}, got {got[0]} ({codes.dtype})"
+        )
+        assert list(codes.shape) == [*shape, 2 * packed.shape[-1]]
+        assert equal(pack_int4(codes), packed), "pack_int4(unpack_int4(b)) must be b"
+        again = draw_codes(rng)
+        assert equal(unpack_int4(pack_int4(again)), again), "unpack_int4(pack_int4(c)) must be c"
+
+
+@seeded
+def test_part2_pack_refuses_an_odd_last_dimension_and_a_code_above_15(rng):
+    odd = 2 * rng.randint(0, 15) + 1
+    shape = [rng.randint(1, 3) for _ in range(rng.randint(0, 2))]
+    with pytest.raises(ValueError) as raised:
+        pack_int4(torch.zeros(*shape, odd, dtype=torch.uint8))
+    want = f"pack_int4 needs an even last dimension, got {odd}"
+    assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
+    for big in (16, rng.randint(17, 255)):
+        codes = draw_codes(rng)
+        codes.view(-1)[rng.randrange(codes.numel())] = big
+        with pytest.raises(ValueError) as raised:
+            pack_int4(codes)
+        assert str(raised.value) == "a 4-bit code is at most 15", (
+            f"a code of {big} cannot be packed: expected 'a 4-bit code is at most 15', got "
+            f"{raised.value!r}"
+        )
+
+
+@seeded
+def test_part2_int4_quantizes_to_sixteen_levels_within_half_a_step(rng):
+    quantizer = Quantizer(4)
+    for _ in range(6):
+        x = draw_tensor(rng, even_last=True)
+        q = quantizer.quantize(x)
+        assert q.codes.dtype == torch.uint8 and q.codes.shape[-1] * 2 == x.shape[-1], (
+            f"INT4 codes are packed two per byte: last dimension {x.shape[-1] // 2}, got "
+            f"{q.codes.shape[-1]}"
+        )
+        ranges = [(max(g) - min(g)) / 15 for g in groups(x)]
+        got = q.scale.flatten().double()
+        assert allclose(got, torch.tensor(ranges, dtype=torch.float64), rtol=1e-5, atol=0), (
+            "INT4: scale is (max - min) / 15"
+        )
+        codes = unpack_int4(q.codes).reshape(-1, x.shape[-1]).tolist()
+        for values, row in zip(groups(x), codes, strict=True):
+            check_codes(values, min(values), max(values), row, 15)
+        back = quantizer.dequantize(q)
+        assert back.shape == x.shape
+        assert_within_half_a_step(x, q.scale, back)
+
+
+# ---- Part 3.3: keys per channel (KIVI) -------------------------------------------------------
+
+
+def draw_block(rng, even_last: bool = True) -> torch.Tensor:
+    """A block of keys [tokens, heads, head_dim], a random channel an outlier."""
+    tokens, heads = rng.randint(1, 20), rng.randint(1, 4)
+    dim = rng.randint(1, 12) * (2 if even_last else 1)
+    keys = torch.randn(tokens, heads, dim, generator=generator(rng)) * 10 ** rng.uniform(-2, 2)
+    keys[:, :, rng.randrange(dim)] *= rng.uniform(5, 80)
+    return keys + rng.choice([0.0, 3.0, -250.0])
+
+
+def channels(x: torch.Tensor) -> list[list[float]]:
+    """Each (head, channel)'s values over the block's tokens, as Python floats."""
+    flat = x.reshape(x.shape[0], -1).double()
+    return flat.t().tolist()
+
+
+@seeded
+def test_part3_channel_range_is_over_the_blocks_tokens(rng):
+    for _ in range(5):
+        keys = draw_block(rng, even_last=False)
+        low, high = _channel_range(keys)
+        want = [1, *keys.shape[1:]]
+        assert list(low.shape) == want and list(high.shape) == want, (
+            f"per channel: the minimum and maximum over the tokens (dimension 0), kept as 1: "
+            f"{want} for a block of {list(keys.shape)}; got {list(low.shape)}, "
+            f"{list(high.shape)}"
+        )
+        got = (low.flatten().double().tolist(), high.flatten().double().tolist())
+        want_values = ([min(c) for c in channels(keys)], [max(c) for c in channels(keys)])
+        assert got == want_values, "each (head, channel)'s minimum and maximum over its tokens"
+
+
+@seeded
+def test_part3_per_channel_scale_zero_and_codes(rng):
+    for bits in rng.sample([4, 8], 2):
+        levels = (1 << bits) - 1
+        keys = draw_block(rng)
+        q = Quantizer(bits, "per_channel").quantize(keys)
+        want = [1, *keys.shape[1:]]
+        assert list(q.scale.shape) == want and list(q.zero.shape) == want, (
+            f"INT{bits} per channel: one scale and zero per (head, channel), shaped {want}; got "
+            f"{list(q.scale.shape)}"
+        )
+        cols = channels(keys)
+        assert q.zero.flatten().double().tolist() == [min(c) for c in cols], (
+            "zero is each channel's minimum over the block's tokens"
+        )
+        ranges = torch.tensor([(max(c) - min(c)) / levels for c in cols], dtype=torch.float64)
+        assert allclose(q.scale.flatten().double(), ranges, rtol=1e-5, atol=0), (
+            f"scale is each channel's (max - min) / {levels}"
+        )
+        codes = unpack_int4(q.codes) if bits == 4 else q.codes
+        for values, row in zip(cols, channels(codes), strict=True):
+            check_codes(values, min(values), max(values), [int(c) for c in row], levels)
+
+
+@seeded
+def test_part3_per_channel_round_trip_stays_within_half_a_step(rng):
+    for bits in (8, 4, rng.choice([4, 8])):
+        quantizer = Quantizer(bits, "per_channel")
+        x = draw_tensor(rng, min_dims=2, even_last=True)
+        q = quantizer.quantize(x)
+        assert list(q.scale.shape) == [1, *x.shape[1:]]
+        back = quantizer.dequantize(q)
+        assert back.shape == x.shape and not bool(isnan(back).any())
+        assert_within_half_a_step(x, q.scale, back)
+
+
+@seeded
+def test_part3_a_constant_channel_round_trips_exactly(rng):
+    keys = draw_block(rng)
+    keys = torch.cat([keys, keys[:1] + 1.0])  # at least two tokens
+    flat = keys.view(keys.shape[0], -1)
+    chosen = rng.sample(range(flat.shape[1]), rng.randint(1, flat.shape[1]))
+    for column in chosen:
+        flat[:, column] = rng.uniform(-100, 100)
+    for bits in (4, 8):
+        quantizer = Quantizer(bits, "per_channel")
+        q = quantizer.quantize(keys)
+        back = quantizer.dequantize(q).view(keys.shape[0], -1)
+        for column in chosen:
+            assert equal(back[:, column], flat[:, column]), (
+                f"INT{bits}: a constant channel (value {flat[0, column].item()!r}) has scale 0 "
+                f"and dequantizes to itself exactly, got {back[:3, column].tolist()}..."
+            )
+        assert float(q.scale.view(-1)[chosen[0]]) == 0.0
+
+
+# ---- Part 3.4: bytes per token ----------------------------------------------------------------
+
+
+def expected_bytes(layers, heads, dim, dtype, keys, block_size, scale_bytes) -> float:
+    """The handout's table."""
+    if dtype == "auto":
+        return 2 * layers * heads * dim * 2
+    codes = dim * {"int8": 8, "int4": 4}[dtype] / 8
+    if keys == "per_token":
+        return layers * heads * (2 * codes + 2 * 2 * scale_bytes)
+    return layers * heads * (2 * codes + 2 * scale_bytes + 2 * scale_bytes * dim / block_size)
+
+
+@seeded
+def test_part4_bytes_per_token_count_the_codes_and_the_scales(rng):
+    for _ in range(40):
+        layers, heads, dim = rng.randint(1, 64), rng.randint(1, 16), 2 * rng.randint(1, 128)
+        dtype = rng.choice(["auto", "int8", "int4"])
+        keys = "per_token" if dtype == "auto" else rng.choice(["per_token", "per_channel"])
+        block_size, scale_bytes = rng.choice([1, 2, 4, 8, 16, 32, 64, 128]), rng.choice([1, 2, 4])
+        want = expected_bytes(layers, heads, dim, dtype, keys, block_size, scale_bytes)
+        got = bytes_per_token(layers, heads, dim, dtype, keys, block_size, scale_bytes)
+        assert math.isclose(got, want, rel_tol=1e-12), (
+            f"{dtype}, keys {keys}: {layers} layers, {heads} KV heads, head_dim {dim}, block "
+            f"{block_size}, scales of {scale_bytes} bytes: expected {want} bytes per token, got "
+            f"{got}"
+        )
+
+
+@seeded
+def test_part4_the_defaults_are_blocks_of_16_and_16_bit_scales(rng):
+    for _ in range(10):
+        layers, heads, dim = rng.randint(1, 48), rng.randint(1, 16), 2 * rng.randint(1, 128)
+        dtype, keys = rng.choice(["int8", "int4"]), rng.choice(["per_token", "per_channel"])
+        want = expected_bytes(layers, heads, dim, dtype, keys, 16, 2)
+        got = bytes_per_token(layers, heads, dim, dtype, keys)
+        assert math.isclose(got, want, rel_tol=1e-12), (
+            f"{dtype}, keys {keys}, {layers} layers, {heads} heads, head_dim {dim}, by default "
+            f"block_size 16 and scale_bytes 2: expected {want}, got {got}"
+        )
+        plain = bytes_per_token(layers, heads, dim, "auto")
+        assert math.isclose(plain, 4 * layers * heads * dim, rel_tol=1e-12)
+
+
+@seeded
+def test_part4_unknown_formats_are_refused(rng):
+    dtype = rng.choice(["fp8", "int2", "float16", "INT8", "bf16", ""])
+    with pytest.raises(ValueError) as raised:
+        bytes_per_token(rng.randint(1, 8), rng.randint(1, 8), 8, dtype)
+    want = f"kv_cache_dtype must be auto, int8 or int4, got {dtype!r}"
+    assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
+    name = rng.choice(["per_block", "per_head", "channel", "token", ""])
+    with pytest.raises(ValueError) as raised:
+        bytes_per_token(rng.randint(1, 8), rng.randint(1, 8), 8, rng.choice(["int8", "int4"]), name)
+    want = f"unknown key granularity {name!r}"
+    assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"

@@ -1,16 +1,34 @@
-"""Hidden tests for Phase 4: instructor-only (left out of the student edition)."""
+"""Hidden tests for Phase 4: instructor-only (left out of the student edition).
 
+They check the rules of ``assignment/phase4.md`` as ``tests/test_phase4.py`` does, on trees,
+prompts, block sizes, block ids, stamps and locks drawn from the grade's seed, so a table of the
+visible tests' answers cannot pass them. Every test gets its ``rng`` from ``@seeded``
+(``test_seed.py``: the seed is ``VKV_GRADE_SEED``, or a fresh one when it is unset, and every
+failure names it). As in the visible tests, trees are built by hand through the given
+``_new_node`` with a hash of the tests' own, so that a part is graded on its own code (only part
+4.1's tests call ``block_hash``); expected values come from a dictionary of cached prefixes, a
+count of locks per node, and a plain scan for the oldest leaf.
+"""
+
+import pytest
 import xxhash
+from test_seed import seeded
 
-from vkv.engine.radix_cache import RadixCache, TreeNode, block_hash
+from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode, block_hash
 
 
-def new_cache(block_size: int = 2) -> RadixCache:
-    return RadixCache(block_size, lambda parent, tokens: hash((parent, tuple(tokens))))
+def reference_hash(parent: int | None, tokens) -> int:
+    """An independent chained hash (Python's tuple hash of ints, made non-negative)."""
+    return hash((parent, tuple(tokens))) & (2**63 - 1)
+
+
+def colliding_hash(parent: int | None, tokens) -> int:
+    """Every block hashes alike: only the token comparison tells blocks apart."""
+    return 7
 
 
 def grow(cache: RadixCache, parent: TreeNode, tokens: list[int], blocks: list[int]) -> TreeNode:
-    """A node made by hand, as in the graded tests."""
+    """A node made by hand under ``parent``: hashes chained from it, blocks evictable."""
     hashes, last, size = [], parent.last_hash, cache.block_size
     for i in range(len(blocks)):
         last = cache.hash_function(last, tokens[i * size : (i + 1) * size])
@@ -19,56 +37,700 @@ def grow(cache: RadixCache, parent: TreeNode, tokens: list[int], blocks: list[in
     return cache._new_node(parent, list(tokens), list(blocks), hashes)
 
 
-def test_part1_a_large_vocabulary_token_and_an_empty_block():
-    data = (151_643).to_bytes(4, "little")
-    assert block_hash(None, [151_643]) == xxhash.xxh64(data).intdigest()
-    assert block_hash(None, []) == xxhash.xxh64(b"").intdigest()
+def nodes(cache: RadixCache) -> list[TreeNode]:
+    found, stack = [], list(cache.root.children.values())
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        stack.extend(node.children.values())
+    return found
 
 
-def test_part2_split_before_the_last_block_of_four():
-    cache = new_cache(block_size=1)
-    node = grow(cache, cache.root, [1, 2, 3, 4], [10, 11, 12, 13])
-    head = cache._split(node, 3)
-    assert (head.blocks, node.blocks) == ([10, 11, 12], [13])
-    assert head.children == {node.hashes[0]: node} and cache.root.children == {head.hashes[0]: head}
+def path_key(cache: RadixCache, node: TreeNode) -> list[int]:
+    """The tokens from the root to the end of ``node``'s edge."""
+    parts = []
+    while node is not cache.root:
+        parts.append(node.key)
+        node = node.parent
+    return [t for key in reversed(parts) for t in key]
 
 
-def test_part3_block_size_one_matches_all_but_the_last_token():
-    cache = new_cache(block_size=1)
-    top = grow(cache, cache.root, [5], [1])
-    grow(cache, grow(cache, top, [6], [2]), [7, 8], [3, 4])
-    assert cache.match_prefix([5, 6, 7, 8]).blocks == [1, 2, 3]
-    assert cache.match_prefix([5, 6, 7, 8, 9]).blocks == [1, 2, 3, 4]
-    assert cache.total_size == 4
+def paths(cache: RadixCache) -> dict[tuple[int, ...], int]:
+    """Every cached prefix of whole blocks and the block that ends it, read off the tree."""
+    found: dict[tuple[int, ...], int] = {}
+
+    def walk(node: TreeNode, prefix: tuple[int, ...]) -> None:
+        for i, block in enumerate(node.blocks):
+            found[prefix + tuple(node.key[: (i + 1) * cache.block_size])] = block
+        for child in node.children.values():
+            walk(child, prefix + tuple(node.key))
+
+    walk(cache.root, ())
+    return found
 
 
-def test_part4_block_size_three_splits_after_two_of_three_blocks():
-    cache = new_cache(block_size=3)
-    cache.insert(list(range(9)), [10, 11, 12])
-    assert cache.insert([0, 1, 2, 3, 4, 5, 9, 9, 9], [20, 21, 22]) == 2
-    (head,) = cache.root.children.values()
-    assert head.blocks == [10, 11]
-    assert sorted(child.blocks for child in head.children.values()) == [[12], [22]]
-    assert cache.evictable_size == 4
+def snapshot(cache: RadixCache) -> tuple:
+    """Everything a refused call must leave as it was: every node, the sizes and the clock."""
+
+    def describe(node: TreeNode) -> tuple:
+        children = tuple(sorted((h, describe(c)) for h, c in node.children.items()))
+        return (tuple(node.key), tuple(node.blocks), tuple(node.hashes), node.lock_ref,
+                node.last_access, children)  # fmt: skip
+
+    return describe(cache.root), cache.evictable_size, cache.protected_size, cache._clock
 
 
-def test_part5_locks_taken_deep_and_released_out_of_order():
-    cache = new_cache()
-    a = grow(cache, cache.root, [1, 1], [1])
-    b = grow(cache, a, [2, 2], [2])
-    c = grow(cache, b, [3, 3], [3])
-    cache.lock(c)
-    cache.lock(a)
-    cache.unlock(c)
-    assert (a.lock_ref, b.lock_ref, c.lock_ref) == (1, 0, 0)
-    assert (cache.evictable_size, cache.protected_size) == (2, 1)
+def check_tree(cache: RadixCache) -> None:
+    """The module docstring's structural invariants."""
+    size, seen, total, protected = cache.block_size, set(), 0, 0
+    stack = [(cache.root, child) for child in cache.root.children.values()]
+    while stack:
+        parent, node = stack.pop()
+        assert node.parent is parent, f"node {node.key}: its parent link is wrong"
+        assert parent.children.get(node.hashes[0]) is node, (
+            f"node {node.key} sits in its parent's children under the hash of its first block"
+        )
+        assert len(node.blocks) >= 1 and len(node.key) == size * len(node.blocks), (
+            f"node {node.key}: {len(node.blocks)} blocks for {len(node.key)} tokens"
+        )
+        expected, last = [], parent.last_hash
+        for i in range(len(node.blocks)):
+            last = cache.hash_function(last, node.key[i * size : (i + 1) * size])
+            expected.append(last)
+        assert node.hashes == expected, f"node {node.key}: hashes must chain from the parent's"
+        assert not seen & set(node.blocks), (
+            f"blocks {seen & set(node.blocks)} are in the tree twice"
+        )
+        seen |= set(node.blocks)
+        total += len(node.blocks)
+        protected += len(node.blocks) if node.lock_ref else 0
+        stack.extend((node, child) for child in node.children.values())
+    assert (cache.evictable_size, cache.protected_size) == (total - protected, protected), (
+        f"evictable_size + protected_size counts the tree's {total} blocks, {protected} of them "
+        f"in locked nodes: got {(cache.evictable_size, cache.protected_size)}"
+    )
 
 
-def test_part6_a_cascade_stops_at_a_locked_parent():
-    cache = new_cache()
-    a = grow(cache, cache.root, [1, 1], [1])
-    b = grow(cache, a, [2, 2], [2])
-    grow(cache, b, [3, 3], [3])
-    a.lock_ref, cache.evictable_size, cache.protected_size = 1, 2, 1  # locked by hand
-    assert cache.evict(5) == [3, 2], "the cascade stops at a locked parent"
-    assert a.children == {} and cache.protected_size == 1
+def random_tree(rng, cache: RadixCache, count: int, vocab: int = 6) -> list[TreeNode]:
+    """``count`` nodes of 1 to 4 blocks each, grown by hand under random nodes."""
+    made: list[TreeNode] = []
+    ids = iter(rng.sample(range(10_000), 4 * count))
+    size = cache.block_size
+    while len(made) < count:
+        parent = rng.choice([cache.root, *made])
+        blocks = rng.randint(1, 4)
+        tokens = [rng.randrange(vocab) for _ in range(blocks * size)]
+        first = cache.hash_function(parent.last_hash, tokens[:size])
+        if first in parent.children:
+            continue  # that edge exists already: a radix tree has one child per first block
+        made.append(grow(cache, parent, tokens, [next(ids) for _ in range(blocks)]))
+    return made
+
+
+def draw_prompt(rng, cache: RadixCache, made: list[TreeNode], vocab: int = 6) -> list[int]:
+    """A prompt that follows a cached path for a while (often into the middle of an edge), then
+    goes its own way or stops, sometimes mid-block."""
+    size = cache.block_size
+    if made and rng.random() < 0.85:
+        node = rng.choice(made)
+        key = path_key(cache, node)
+        prefix = key[: rng.randint(0, len(key))]
+    else:
+        prefix = []
+    return prefix + [rng.randrange(vocab) for _ in range(rng.randint(0, 3 * size))] or [0]
+
+
+def expected_match(model: dict, prompt: list[int], size: int) -> list[int]:
+    blocks = []
+    for i in range(1, (len(prompt) - 1) // size + 1):
+        block = model.get(tuple(prompt[: i * size]))
+        if block is None:
+            break
+        blocks.append(block)
+    return blocks
+
+
+# ---- Part 4.1: the chained block hash ---------------------------------------------------------
+
+
+@seeded
+def test_part1_block_hash_is_xxh64_of_the_parent_then_the_tokens(rng):
+    for _ in range(50):
+        tokens = [rng.randrange(2**32) for _ in range(rng.randint(0, 40))]
+        parent = rng.choice([None, 0, rng.randrange(2**64), rng.randrange(2**32)])
+        data = b"" if parent is None else parent.to_bytes(8, "little")
+        data += b"".join(t.to_bytes(4, "little") for t in tokens)
+        want = xxhash.xxh64(data).intdigest()
+        got = block_hash(parent, tokens)
+        assert got == want, (
+            f"block_hash({parent}, {len(tokens)} tokens) is xxh64 (seed 0) of the parent as 8 "
+            f"little-endian bytes (none for None), then each token as 4 little-endian bytes: "
+            f"expected {want}, got {got}"
+        )
+        assert block_hash(parent, tuple(tokens)) == want, "any sequence of ints hashes alike"
+
+
+@seeded
+def test_part1_a_prompt_chains_its_blocks(rng):
+    size = rng.randint(1, 32)
+    prompt = [rng.randrange(200_000) for _ in range(size * rng.randint(2, 8))]
+    last = None
+    for i in range(len(prompt) // size):
+        block = prompt[i * size : (i + 1) * size]
+        data = (b"" if last is None else last.to_bytes(8, "little")) + b"".join(
+            t.to_bytes(4, "little") for t in block
+        )
+        want = xxhash.xxh64(data).intdigest()
+        got = block_hash(last, block)
+        assert got == want, (
+            f"block {i} of the prompt hashes the hash of block {i - 1} then its tokens: "
+            f"expected {want}, got {got}"
+        )
+        last = want
+
+
+@seeded
+def test_part1_parent_zero_is_a_parent_not_the_first_block(rng):
+    tokens = [rng.randrange(2**32) for _ in range(rng.randint(1, 16))]
+    body = b"".join(t.to_bytes(4, "little") for t in tokens)
+    assert block_hash(0, tokens) == xxhash.xxh64(bytes(8) + body).intdigest(), (
+        "parent 0 is a real hash (8 zero bytes first): only None means the first block"
+    )
+    assert block_hash(None, tokens) == xxhash.xxh64(body).intdigest()
+
+
+# ---- Part 4.2: splitting a node ---------------------------------------------------------------
+
+
+@seeded
+def test_part2_split_gives_the_head_to_a_new_node_and_the_tail_keeps_the_rest(rng):
+    for _ in range(10):
+        cache = RadixCache(rng.randint(1, 4), reference_hash)
+        made = random_tree(rng, cache, rng.randint(0, 6))
+        parent = rng.choice([cache.root, *made])
+        size = cache.block_size
+        count = rng.randint(2, 8)
+        tokens = [rng.randrange(1000, 2000) for _ in range(count * size)]
+        node = grow(cache, parent, tokens, rng.sample(range(20_000, 30_000), count))
+        kids = []
+        for block in rng.sample(range(40_000, 50_000), rng.randint(0, 3)):
+            first = rng.sample(range(2000, 3000), size)
+            if cache.hash_function(node.last_hash, first) not in node.children:
+                kids.append(grow(cache, node, first, [block]))
+        key, blocks, hashes = list(node.key), list(node.blocks), list(node.hashes)
+        children = dict(node.children)
+        cut = rng.randint(1, count - 1)
+        sizes = (cache.evictable_size, cache.protected_size)
+        head = cache._split(node, cut)
+        assert head is not node and (head.key, head.blocks, head.hashes) == (
+            key[: cut * size],
+            blocks[:cut],
+            hashes[:cut],
+        ), (
+            f"_split(node of {count} blocks, {cut}) gives the first {cut} blocks (their tokens, "
+            f"ids and hashes) to a new node; got key {head.key}, blocks {head.blocks}"
+        )
+        assert (node.key, node.blocks, node.hashes) == (
+            key[cut * size :],
+            blocks[cut:],
+            hashes[cut:],
+        ), f"the split node keeps blocks {blocks[cut:]}, got {node.blocks}"
+        assert parent.children.get(hashes[0]) is head and head.parent is parent, (
+            "the new node takes the old one's place in the parent's children, under its hash"
+        )
+        assert head.children == {hashes[cut]: node} and node.parent is head, (
+            "the old node is the new node's only child, under the hash of its first block"
+        )
+        assert node.children == children and all(k.parent is node for k in kids), (
+            "the children stay with the tail"
+        )
+        assert (cache.evictable_size, cache.protected_size) == sizes
+        check_tree(cache)
+
+
+@seeded
+def test_part2_the_head_copies_lock_ref_and_last_access(rng):
+    for _ in range(10):
+        size = rng.randint(1, 4)
+        cache = RadixCache(size, reference_hash)
+        count = rng.randint(2, 8)
+        node = grow(cache, cache.root, [rng.randrange(9) for _ in range(count * size)],
+                    rng.sample(range(1000), count))  # fmt: skip
+        locks, stamp = rng.randint(0, 5), rng.randint(0, 10**6)
+        node.lock_ref, node.last_access = locks, stamp
+        if locks:
+            cache.evictable_size, cache.protected_size = 0, count
+        head = cache._split(node, rng.randint(1, count - 1))
+        assert (head.lock_ref, head.last_access) == (locks, stamp), (
+            f"every lock that covered the node covers its head, and it was used as the node was: "
+            f"expected lock_ref {locks}, last_access {stamp}; got {head.lock_ref}, "
+            f"{head.last_access}"
+        )
+        assert (node.lock_ref, node.last_access) == (locks, stamp), "the tail keeps its own"
+        assert (cache.evictable_size, cache.protected_size) == (
+            (0, count) if locks else (count, 0)
+        ), "a split moves no block between evictable and protected"
+
+
+@seeded
+def test_part2_repeated_splits_keep_the_edge_and_its_chain(rng):
+    size = rng.randint(1, 4)
+    cache = RadixCache(size, reference_hash)
+    count = rng.randint(3, 12)
+    tokens = [rng.randrange(50) for _ in range(count * size)]
+    blocks = rng.sample(range(10**5), count)
+    grow(cache, cache.root, tokens, blocks)
+    for _ in range(rng.randint(1, count - 1)):
+        splittable = [n for n in nodes(cache) if len(n.blocks) > 1]
+        if not splittable:
+            break
+        node = rng.choice(splittable)
+        cache._split(node, rng.randint(1, len(node.blocks) - 1))
+        check_tree(cache)
+    assert paths(cache) == {
+        tuple(tokens[: (i + 1) * size]): block for i, block in enumerate(blocks)
+    }, "splits cut the edge into nodes; the path still spells the same blocks, in order"
+
+
+# ---- Part 4.3: match_prefix ----------------------------------------------------------------
+
+
+@seeded
+def test_part3_match_finds_the_longest_cached_prefix_of_whole_blocks(rng):
+    for _ in range(6):
+        cache = RadixCache(rng.randint(1, 4), reference_hash)
+        made = random_tree(rng, cache, rng.randint(1, 12))
+        for _ in range(10):
+            model = paths(cache)
+            prompt = draw_prompt(rng, cache, made)
+            want = expected_match(model, prompt, cache.block_size)
+            result = cache.match_prefix(prompt)
+            assert isinstance(result, MatchResult) and result.blocks == want, (
+                f"block size {cache.block_size}, prompt {prompt}: the longest cached prefix of "
+                f"whole blocks, never the last token (at most ({len(prompt)} - 1) // "
+                f"{cache.block_size} blocks): expected {want}, got {result.blocks}"
+            )
+            assert path_key(cache, result.node) == prompt[: len(want) * cache.block_size], (
+                "the match ends at a node whose path spells the matched prefix (the root for a "
+                "miss): a match that ends inside an edge splits it there"
+            )
+            assert paths(cache) == model, "a match changes no cached prefix"
+            check_tree(cache)
+
+
+@seeded
+def test_part3_a_match_inside_an_edge_splits_it_after_the_last_matched_block(rng):
+    for _ in range(10):
+        size = rng.randint(1, 4)
+        cache = RadixCache(size, reference_hash)
+        made = random_tree(rng, cache, rng.randint(0, 5))
+        parent = rng.choice([cache.root, *made])
+        count = rng.randint(2, 6)
+        edge = [rng.randrange(100, 200) for _ in range(count * size)]
+        node = grow(cache, parent, edge, rng.sample(range(20_000, 30_000), count))
+        blocks = list(node.blocks)
+        keep = rng.randint(1, count - 1)
+        prompt = path_key(cache, parent) + edge[: keep * size]
+        prompt += [rng.randrange(200, 300)] * rng.randint(1, 2 * size)  # diverge, or end
+        total = cache.total_size
+        result = cache.match_prefix(prompt)
+        assert result.blocks[-keep:] == blocks[:keep] and result.node.blocks == blocks[:keep], (
+            f"the prompt agrees with {keep} of the edge's {count} blocks: the edge is split after "
+            f"them and the match ends at the head {blocks[:keep]}, got node {result.node.blocks}"
+        )
+        assert result.node.parent is parent and node.parent is result.node, (
+            "the head takes the edge's place; the rest hangs below it"
+        )
+        assert node.blocks == blocks[keep:] and cache.total_size == total, (
+            f"the tail keeps {blocks[keep:]}, got {node.blocks}; no block is added or lost"
+        )
+        check_tree(cache)
+
+
+@seeded
+def test_part3_a_match_stamps_its_path_and_nothing_else(rng):
+    for k in range(8):
+        size = rng.randint(1, 4)
+        cache = RadixCache(size, reference_hash)
+        made = random_tree(rng, cache, rng.randint(1, 10))
+        top = grow(cache, cache.root, [200 + t for t in range(size)], [80_000])
+        deep = grow(cache, top, [300 + t for t in range(2 * size)], [80_001, 80_002])
+        made += [top, deep]
+        for node in made:
+            node.last_access = rng.randint(0, 500)
+        cache._clock = rng.randint(500, 10**6)
+        before = {id(n): n.last_access for n in made}
+        if k == 0:  # down a path of two nodes, into the middle of the second or to its end
+            prompt = [*path_key(cache, deep)[: rng.choice([2, 3]) * size], rng.randrange(6)]
+        else:
+            prompt = draw_prompt(rng, cache, made)
+        result = cache.match_prefix(prompt)
+        now = cache._clock
+        on_path, node = set(), result.node
+        while node is not cache.root:
+            on_path.add(id(node))
+            node = node.parent
+        for node in nodes(cache):
+            if id(node) in on_path:
+                assert node.last_access == now, (
+                    f"the node the match ends at and its ancestors are used now (tick {now}), "
+                    f"got {node.last_access} on the path"
+                )
+            else:
+                original = before.get(id(node))
+                if original is None:  # a head made by a split: it is on the path
+                    continue
+                assert node.last_access == original, (
+                    f"a node off the matched path (a split-off tail included) keeps its stamp "
+                    f"{original}, got {node.last_access}"
+                )
+
+
+@seeded
+def test_part3_a_match_ticks_the_clock_once(rng):
+    cache = RadixCache(rng.randint(1, 4), reference_hash)
+    made = random_tree(rng, cache, rng.randint(1, 10))
+    for _ in range(10):
+        clock = cache._clock
+        cache.match_prefix(draw_prompt(rng, cache, made))
+        assert cache._clock == clock + 1, (
+            f"a match is one use of its path: one _touch, one tick (clock {clock} -> "
+            f"{clock + 1}), got {cache._clock}"
+        )
+
+
+@seeded
+def test_part3_a_collision_is_a_miss_and_an_empty_prompt_is_refused(rng):
+    size = rng.randint(1, 4)
+    cache = RadixCache(size, colliding_hash)
+    cached = [rng.randrange(100) for _ in range(size * rng.randint(1, 4))]
+    grow(cache, cache.root, cached, rng.sample(range(1000), len(cached) // size))
+    other = list(cached)
+    other[rng.randrange(size)] += 1  # the first block differs, the hash is the same
+    result = cache.match_prefix([*other, rng.randrange(100)])
+    assert result.blocks == [] and result.node is cache.root, (
+        f"block {other[:size]} hashes like the cached {cached[:size]} but its tokens differ: a "
+        f"miss (no blocks, the root), got {result.blocks}"
+    )
+    assert cache.match_prefix([*cached, 1]).blocks == list(cache.root.children[7].blocks), (
+        "with the tokens equal, a colliding hash still matches"
+    )
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"^cannot match an empty prompt$"):
+        cache.match_prefix([])
+    assert snapshot(cache) == before, "a refused match changes nothing"
+
+
+# ---- Part 4.4: insert -------------------------------------------------------------------------
+
+
+@seeded
+def test_part4_inserts_record_what_a_prefix_dictionary_records(rng):
+    for _ in range(3):
+        size = rng.randint(1, 4)
+        vocab = rng.randint(2, 4)
+        cache, model = RadixCache(size, reference_hash), {}
+        ids = iter(rng.sample(range(10**6), 400))
+        for step in range(40):
+            tokens = [rng.randrange(vocab) for _ in range(size * rng.randint(1, 5))]
+            blocks = [next(ids) for _ in range(len(tokens) // size)]
+            prefixes = [tuple(tokens[: size * (k + 1)]) for k in range(len(blocks))]
+            cached = 0
+            while cached < len(prefixes) and prefixes[cached] in model:
+                cached += 1
+            for prefix, block in zip(prefixes, blocks, strict=True):
+                model.setdefault(prefix, block)
+            got = cache.insert(tokens, blocks)
+            assert got == cached, (
+                f"step {step}, block size {size}: insert({tokens}) returns the leading blocks "
+                f"cached already: expected {cached}, got {got}"
+            )
+            assert paths(cache) == model, (
+                f"step {step}: the tree keeps its own blocks for the cached prefix and records "
+                "the rest as a new leaf"
+            )
+            assert (cache.evictable_size, cache.protected_size) == (len(model), 0), (
+                "new leaves are evictable"
+            )
+            check_tree(cache)
+
+
+@seeded
+def test_part4_insert_takes_whole_blocks_only_and_checks_first(rng):
+    size = rng.randint(1, 6)
+    cache = RadixCache(size, reference_hash)
+    made = random_tree(rng, cache, rng.randint(1, 6))
+    long = grow(cache, cache.root, [100 + t for t in range(2 * size)], [77_000, 77_001])
+    before = snapshot(cache)
+    for k in range(6):
+        blocks = rng.sample(range(50_000, 60_000), rng.randint(0, 4))
+        cached = path_key(cache, rng.choice(made))
+        count = rng.choice([n for n in range(len(cached) + size + 2) if n != size * len(blocks)])
+        tokens = (cached + [rng.randrange(9) for _ in range(count)])[:count]
+        if k == 0:  # its first block is cached inside a longer edge: a walk would split it
+            tokens = [*long.key[:size], rng.randrange(9)]
+            blocks = [rng.randrange(50_000, 60_000)]
+        want = f"insert takes whole blocks: {len(tokens)} tokens for {len(blocks)} blocks of {size}"
+        with pytest.raises(ValueError) as raised:
+            cache.insert(tokens, blocks)
+        assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
+        assert snapshot(cache) == before, (
+            "a refused insert changes nothing (checked before the walk could split an edge)"
+        )
+
+
+@seeded
+def test_part4_insert_stamps_its_path_once(rng):
+    size = rng.randint(1, 4)
+    cache, vocab = RadixCache(size, reference_hash), 3
+    ids = iter(rng.sample(range(10**6), 400))
+    for _ in range(25):
+        for node in nodes(cache):
+            node.last_access = rng.randint(0, 100)
+        before = {id(n): n.last_access for n in nodes(cache)}
+        cache._clock = clock = rng.randint(100, 10**6)
+        tokens = [rng.randrange(vocab) for _ in range(size * rng.randint(1, 4))]
+        cache.insert(tokens, [next(ids) for _ in range(len(tokens) // size)])
+        assert cache._clock == clock + 1, "an insert is one use of its path: one tick"
+        end = max(
+            (n for n in nodes(cache) if tokens[: len(path_key(cache, n))] == path_key(cache, n)),
+            key=lambda n: len(path_key(cache, n)),
+        )
+        on_path, node = set(), end
+        while node is not cache.root:
+            on_path.add(id(node))
+            node = node.parent
+        for node in nodes(cache):
+            if id(node) in on_path:
+                assert node.last_access == clock + 1, (
+                    f"the inserted path (to the new leaf, or where the cached prefix ends) is "
+                    f"used now (tick {clock + 1}), got {node.last_access}"
+                )
+            elif id(node) in before:
+                assert node.last_access == before[id(node)], (
+                    "a node off the inserted path (a split-off tail included) keeps its stamp"
+                )
+
+
+@seeded
+def test_part4_a_collision_records_nothing_and_a_new_leaf_is_evictable(rng):
+    size = rng.randint(1, 4)
+    cache = RadixCache(size, colliding_hash)
+    first = [rng.randrange(50) for _ in range(size * rng.randint(1, 3))]
+    assert cache.insert(first, rng.sample(range(100), len(first) // size)) == 0
+    model = paths(cache)
+    other = list(first)
+    other[rng.randrange(size)] += 1
+    clock = cache._clock
+    assert cache.insert(other, rng.sample(range(200, 300), len(other) // size)) == 0, (
+        "nothing of the colliding prompt was cached"
+    )
+    assert paths(cache) == model and cache.total_size == len(model), (
+        "another child sits under the new leaf's hash (a collision): nothing more is recorded"
+    )
+    assert cache._clock == clock + 1, "the path is used now all the same: one tick"
+    cache = RadixCache(size, reference_hash)
+    made = random_tree(rng, cache, rng.randint(1, 6))
+    locked = rng.choice(made)
+    node = locked
+    while node is not cache.root:  # locked by hand: this part's tests do not run part 4.5
+        node.lock_ref += 1
+        node = node.parent
+    protected = sum(len(n.blocks) for n in nodes(cache) if n.lock_ref)
+    cache.evictable_size, cache.protected_size = cache.total_size - protected, protected
+    extra = rng.randint(1, 3)
+    tokens = path_key(cache, locked) + [rng.randrange(1000, 2000) for _ in range(extra * size)]
+    evictable = cache.evictable_size
+    cache.insert(tokens, [*rng.sample(range(10**5, 10**6), len(tokens) // size)])
+    assert (cache.evictable_size, cache.protected_size) == (evictable + extra, protected), (
+        f"the {extra} new blocks hang under a locked node as a new leaf, which is not locked: "
+        f"evictable, got evictable {cache.evictable_size}, protected {cache.protected_size}"
+    )
+
+
+# ---- Part 4.5: locks --------------------------------------------------------------------------
+
+
+def lock_refs(cache: RadixCache, locks: dict[int, int]) -> dict[int, int]:
+    """lock_ref of each node: the locks on it or below it (``locks``: by node id)."""
+
+    def count(node: TreeNode) -> int:
+        return locks.get(node.node_id, 0) + sum(count(c) for c in node.children.values())
+
+    return {n.node_id: count(n) for n in nodes(cache)}
+
+
+@seeded
+def test_part5_lock_ref_counts_the_locks_on_a_node_or_below(rng):
+    for _ in range(4):
+        cache = RadixCache(rng.randint(1, 4), reference_hash)
+        made = random_tree(rng, cache, rng.randint(1, 12))
+        locks: dict[int, int] = {}
+        for step in range(40):
+            held = [n for n in made if locks.get(n.node_id)]
+            if held and rng.random() < 0.4:
+                node = rng.choice(held)
+                cache.unlock(node)
+                locks[node.node_id] -= 1
+                op = f"unlock({node.key})"
+            else:
+                node = rng.choice(made)
+                cache.lock(node)
+                locks[node.node_id] = locks.get(node.node_id, 0) + 1
+                op = f"lock({node.key})"
+            want = lock_refs(cache, locks)
+            got = {n.node_id: n.lock_ref for n in made}
+            assert got == want, (
+                f"step {step}, after {op}: a lock counts on the node and every ancestor but the "
+                f"root, an unlock undoes one: lock_ref by node id expected {want}, got {got}"
+            )
+            protected = sum(len(n.blocks) for n in made if want[n.node_id])
+            sizes = (cache.evictable_size, cache.protected_size)
+            assert sizes == (cache.total_size - protected, protected), (
+                f"step {step}: the locked nodes' {protected} blocks are protected, the rest "
+                f"evictable: expected {(cache.total_size - protected, protected)}, got {sizes}"
+            )
+            assert cache.root.lock_ref == 0, "the root is never locked"
+
+
+@seeded
+def test_part5_unlocking_a_node_that_is_not_locked_is_refused_and_changes_nothing(rng):
+    cache = RadixCache(rng.randint(1, 4), reference_hash)
+    made = random_tree(rng, cache, rng.randint(2, 10))
+    for node in rng.sample(made, rng.randint(0, len(made) - 1)):
+        cache.lock(node)
+    free = [n for n in made if n.lock_ref == 0]
+    if not free:
+        free = [grow(cache, cache.root, [999] * cache.block_size, [99_999])]
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"^unlock of a node that is not locked$"):
+        cache.unlock(rng.choice(free))
+    assert snapshot(cache) == before, "a refused unlock changes nothing, not even the ancestors"
+
+
+@seeded
+def test_part5_locking_or_unlocking_the_root_does_nothing(rng):
+    cache = RadixCache(rng.randint(1, 4), reference_hash)
+    made = random_tree(rng, cache, rng.randint(1, 8))
+    for node in rng.sample(made, rng.randint(0, len(made))):
+        cache.lock(node)
+    before = snapshot(cache)
+    for _ in range(rng.randint(1, 3)):
+        cache.lock(cache.root)
+    cache.unlock(cache.root)
+    assert snapshot(cache) == before, "lock(root) and unlock(root) change nothing"
+
+
+# ---- Part 4.6: evict --------------------------------------------------------------------------
+
+
+def stamped_tree(rng):
+    """A random tree with random stamps (ties likely) and some paths locked by hand."""
+    cache = RadixCache(rng.randint(1, 4), reference_hash)
+    made = random_tree(rng, cache, rng.randint(1, 14))
+    for node in reversed(made):  # children were made after their parents
+        node.last_access = rng.randint(0, 6)
+    for node in reversed(made):  # a parent is never older than its children (the invariant)
+        if node.parent is not cache.root:
+            node.parent.last_access = max(node.parent.last_access, node.last_access)
+    for node in rng.sample(made, rng.randint(0, min(2, len(made)))):
+        while node is not cache.root:
+            node.lock_ref += 1
+            node = node.parent
+    protected = sum(len(n.blocks) for n in made if n.lock_ref)
+    cache.evictable_size, cache.protected_size = cache.total_size - protected, protected
+    return cache, made
+
+
+def expected_evict(cache: RadixCache, num_blocks: int) -> tuple[list[int], set[int]]:
+    """The rule by a plain scan: while fewer than ``num_blocks`` are out, remove the unlocked
+    leaf of smallest (last_access, node_id); a parent left childless becomes a leaf."""
+    children = {n.node_id: len(n.children) for n in nodes(cache)}
+    alive = {n.node_id: n for n in nodes(cache)}
+    out: list[int] = []
+    while len(out) < num_blocks:
+        leaves = [n for i, n in alive.items() if children[i] == 0 and n.lock_ref == 0]
+        if not leaves:
+            break
+        leaf = min(leaves, key=lambda n: (n.last_access, n.node_id))
+        out += leaf.blocks
+        del alive[leaf.node_id]
+        if leaf.parent is not cache.root:
+            children[leaf.parent.node_id] -= 1
+    return out, set(alive)
+
+
+@seeded
+def test_part6_evict_removes_unlocked_leaves_least_recently_used_first(rng):
+    for _ in range(8):
+        cache, _ = stamped_tree(rng)
+        for _ in range(3):
+            n = rng.randint(0, cache.total_size + 2)
+            want, alive = expected_evict(cache, n)
+            stamps = sorted((x.last_access, x.node_id, x.blocks) for x in nodes(cache))
+            got = cache.evict(n)
+            assert got == want, (
+                f"evict({n}) removes unlocked leaves, smallest (last_access, node_id) first, "
+                f"each whole (its blocks in edge order), a parent left a leaf joining them, until "
+                f"at least {n} blocks are out: nodes (last_access, node_id, blocks) {stamps}; "
+                f"expected {want}, got {got}"
+            )
+            assert {x.node_id for x in nodes(cache)} == alive, "the evicted nodes leave the tree"
+            check_tree(cache)
+
+
+@seeded
+def test_part6_a_parent_left_a_leaf_joins_with_its_own_age(rng):
+    for _ in range(4):
+        size = rng.randint(1, 4)
+        cache = RadixCache(size, reference_hash)
+        young, middle, old = sorted(rng.sample(range(1, 1000), 3), reverse=True)
+        ids = iter(rng.sample(range(10_000), 12))
+        parent = grow(cache, cache.root, [1] * size, [next(ids) for _ in range(1)])
+        count = rng.randint(1, 3)
+        leaf = grow(cache, parent, [2] * size * count, [next(ids) for _ in range(count)])
+        count = rng.randint(1, 3)
+        other = grow(cache, cache.root, [3] * size * count, [next(ids) for _ in range(count)])
+        parent.last_access, leaf.last_access, other.last_access = young, old, middle
+        got = cache.evict(len(leaf.blocks) + 1)
+        want = leaf.blocks + other.blocks
+        assert got == want, (
+            f"leaf {leaf.blocks} (last_access {old}) goes first; then the candidates are "
+            f"{other.blocks} ({middle}) and its parent {parent.blocks}, now a leaf, which joins "
+            f"with its own last_access {young}: so {other.blocks} goes next; expected {want}, "
+            f"got {got}"
+        )
+
+
+@seeded
+def test_part6_a_negative_count_is_refused_and_zero_evicts_nothing(rng):
+    cache, _ = stamped_tree(rng)
+    before = snapshot(cache)
+    value = -rng.randint(1, 10**6)
+    with pytest.raises(ValueError) as raised:
+        cache.evict(value)
+    want = f"num_blocks must be >= 0, got {value}"
+    assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
+    assert cache.evict(0) == [] and snapshot(cache) == before, "evict(0) removes nothing"
+
+
+@seeded
+def test_part6_only_locked_paths_survive_evicting_everything(rng):
+    for _ in range(6):
+        cache, made = stamped_tree(rng)
+        locked = {n.node_id for n in made if n.lock_ref}
+        protected = cache.protected_size
+        everything = cache.total_size + rng.randint(0, 5)
+        want, _ = expected_evict(cache, everything)
+        out = cache.evict(everything)
+        assert out == want, (
+            "evicting everything goes leaf by leaf, oldest (last_access, node_id) first, a "
+            f"parent left a leaf joining with its own stamp: expected {want}, got {out}"
+        )
+        assert {n.node_id for n in nodes(cache)} == locked, (
+            "evicting more than the tree holds removes every unlocked node, leaves first, and "
+            "never a locked one"
+        )
+        assert sorted(out) == sorted(b for n in made if n.node_id not in locked for b in n.blocks)
+        assert (cache.evictable_size, cache.protected_size) == (0, protected)
+        assert cache.evict(rng.randint(1, 5)) == [], "nothing evictable is left"

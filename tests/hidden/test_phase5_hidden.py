@@ -1,0 +1,332 @@
+"""Hidden tests for Phase 5: instructor-only (left out of the student edition).
+
+They check the rules of ``assignment/phase5.md`` as ``tests/test_phase5.py`` does: scripted
+steps (queues, pools, swap and copy maps, prefix-cache totals, sequences, arrival times and a
+clock the test moves) drawn from the grade's seed, so a table of the visible tests' answers
+cannot pass them. Every test gets its ``rng`` from ``@seeded`` (``test_seed.py``: the seed is
+``VKV_GRADE_SEED``, or a fresh one when it is unset, and every failure names it). Expected
+values are sums and counts kept here; times are multiples of 1/64 s, so that every sum is exact.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+from test_seed import seeded
+
+from vkv.engine.scheduler import SchedulerOutput
+from vkv.metrics.registry import (
+    FINISH_REASONS,
+    LATENCY_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    EngineMetrics,
+    length_buckets,
+)
+from vkv.metrics.stats import StatLogger
+
+MAX_MODEL_LEN = 2048
+
+
+def make_logger(rng) -> tuple[StatLogger, EngineMetrics, dict]:
+    name = rng.choice(["vkv-tiny", "qwen3-0.6b", f"model-{rng.randrange(1000)}"])
+    metrics = EngineMetrics(max_model_len=MAX_MODEL_LEN, model_name=name)
+    return StatLogger(metrics), metrics, {"model_name": name}
+
+
+def value(metrics: EngineMetrics, labels: dict, name: str, **extra) -> float:
+    sample = metrics.registry.get_sample_value(name, {**labels, **extra})
+    return 0.0 if sample is None else sample
+
+
+def histogram(metrics, labels, name: str, bounds) -> tuple[float, float, list[float]]:
+    """(count, sum, cumulative bucket counts) of a histogram."""
+    buckets = [value(metrics, labels, f"{name}_bucket", le=_le(b)) for b in bounds]
+    return value(metrics, labels, f"{name}_count"), value(metrics, labels, f"{name}_sum"), buckets
+
+
+def _le(bound) -> str:
+    return str(float(bound))
+
+
+def buckets_of(observed: list[float], bounds) -> list[float]:
+    return [float(sum(x <= b for x in observed)) for b in bounds]
+
+
+def a_time(rng, low: int = 0, high: int = 64 * 200) -> float:
+    """A time in seconds, a multiple of 1/64 (exact in binary)."""
+    return rng.randint(low, high) / 64
+
+
+def scheduler(running=0, waiting=0, swapped=0, gpu=0.0, cpu=0.0, queries=0, hits=0):
+    """What ``record_step`` reads of a scheduler: its queues and its block manager's figures."""
+    manager = SimpleNamespace(
+        gpu_usage=gpu, cpu_usage=cpu, num_query_tokens=queries, num_hit_tokens=hits
+    )
+    return SimpleNamespace(
+        running=[object()] * running,
+        waiting=[object()] * waiting,
+        swapped=[object()] * swapped,
+        block_manager=manager,
+    )
+
+
+def seq(seq_id, prompt, completion, arrival, group_id=None):
+    """What the logger reads of a sequence."""
+    return SimpleNamespace(
+        seq_id=seq_id,
+        num_prompt_tokens=prompt,
+        num_completion_tokens=completion,
+        arrival_time=arrival,
+        group_id=seq_id if group_id is None else group_id,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Part 5.1: record_step
+# --------------------------------------------------------------------------------------------
+
+
+@seeded
+def test_part1_gauges_hold_the_state_the_last_step_left(rng):
+    logger, metrics, labels = make_logger(rng)
+    names = ["running", "waiting", "swapped"]
+    for step in range(rng.randint(2, 12)):
+        queues = [rng.randint(0, 300) for _ in names]
+        usage = [rng.randint(0, 256) / 256, rng.randint(0, 256) / 256]
+        logger.record_step(SchedulerOutput(), scheduler(*queues, *usage), float(step))
+        got = [value(metrics, labels, f"vkv_num_requests_{q}") for q in names]
+        got += [value(metrics, labels, f"vkv_{d}_cache_usage_perc") for d in ("gpu", "cpu")]
+        want = [*map(float, queues), *usage]
+        assert got == want, (
+            f"after step {step}: the gauges are set to the queues' lengths and the block "
+            f"manager's gpu_usage and cpu_usage as the step left them (set, not added): "
+            f"[running, waiting, swapped, gpu, cpu] expected {want}, got {got}"
+        )
+
+
+@seeded
+def test_part1_each_steps_preemptions_swaps_and_copies_add_up(rng):
+    logger, metrics, labels = make_logger(rng)
+    totals = {"num_preemptions": 0, "blocks_swapped_out": 0, "blocks_swapped_in": 0}
+    totals["cow_copies"] = 0
+    for step in range(rng.randint(1, 10)):
+        preempted = [seq(i, 5, 1, 0.0) for i in range(rng.randint(0, 6))]
+        out_map = {gpu: cpu for cpu, gpu in enumerate(rng.sample(range(500), rng.randint(0, 9)))}
+        in_map = {cpu: gpu for gpu, cpu in enumerate(rng.sample(range(500), rng.randint(0, 9)))}
+        copies = {
+            src: rng.sample(range(1000, 2000), rng.randint(1, 4))
+            for src in rng.sample(range(500), rng.randint(0, 5))
+        }
+        out = SchedulerOutput(
+            preempted=preempted,
+            blocks_to_swap_out=out_map,
+            blocks_to_swap_in=in_map,
+            blocks_to_copy=copies,
+        )
+        logger.record_step(out, scheduler(), float(step))
+        totals["num_preemptions"] += len(preempted)
+        totals["blocks_swapped_out"] += len(out_map)
+        totals["blocks_swapped_in"] += len(in_map)
+        totals["cow_copies"] += sum(len(d) for d in copies.values())
+        got = {name: value(metrics, labels, f"vkv_{name}_total") for name in totals}
+        assert got == {k: float(v) for k, v in totals.items()}, (
+            f"after step {step}: one preemption per preempted sequence, one block per entry of "
+            f"each swap map, one copy per destination of blocks_to_copy ({copies} this step), "
+            f"added up over the steps: expected {totals}, got {got}"
+        )
+
+
+@seeded
+def test_part1_prefix_cache_counters_add_what_the_totals_grew_by(rng):
+    logger, metrics, labels = make_logger(rng)
+    queries = hits = 0
+    for step in range(rng.randint(1, 12)):
+        grew = rng.choice([0, rng.randint(1, 500)])
+        queries += grew
+        hits += rng.randint(0, grew)
+        for _ in range(rng.randint(1, 2)):  # a step the totals did not move counts nothing
+            logger.record_step(SchedulerOutput(), scheduler(queries=queries, hits=hits), step)
+        got = [value(metrics, labels, f"vkv_prefix_cache_{n}_total") for n in ("queries", "hits")]
+        assert got == [queries, hits], (
+            f"after step {step}: num_query_tokens and num_hit_tokens are totals since the start: "
+            f"the counters add what they grew by since the last step, so they equal them: "
+            f"expected {[queries, hits]}, got {got}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Part 5.2: record_tokens
+# --------------------------------------------------------------------------------------------
+
+
+def token_stream(rng):
+    """Steps of (time, sequences that gained a token): requests of 1 to 3 samples (the others
+    forked from the first, group_id the first's id), arriving and decoding at random times."""
+    requests, steps, now = [], [], a_time(rng, 0, 64 * 5)
+    next_id = rng.randrange(1000)
+    for k in range(rng.randint(1, 6)):
+        arrival = a_time(rng, 0, int(now * 64))
+        prompt, samples = rng.randint(1, 500), rng.randint(2 if k == 0 else 1, 3)
+        group = [next_id + i for i in range(samples)]
+        next_id += samples + rng.randint(0, 5)
+        requests.append((arrival, prompt, group))
+    generated = {sid: 0 for _, _, group in requests for sid in group}
+    info = {
+        sid: (arrival, prompt, group[0]) for arrival, prompt, group in requests for sid in group
+    }
+    for step in range(rng.randint(3, 15)):
+        now += rng.randint(1, 64 * 3) / 64
+        count = len(generated) if step == 0 else rng.randint(1, len(generated))
+        chosen = rng.sample(sorted(generated), count)
+        batch = []
+        for sid in chosen:
+            generated[sid] += 1
+            arrival, prompt, first = info[sid]
+            batch.append(seq(sid, prompt, generated[sid], arrival, first))
+        steps.append((now, batch))
+    return steps
+
+
+@seeded
+def test_part2_each_token_counts_once_and_a_first_token_observes_its_time_from_arrival(rng):
+    logger, metrics, labels = make_logger(rng)
+    tokens, firsts = 0, []
+    for now, batch in token_stream(rng):
+        logger.record_tokens(batch, now)
+        tokens += len(batch)
+        firsts += [now - s.arrival_time for s in batch if s.num_completion_tokens == 1]
+        got = value(metrics, labels, "vkv_generation_tokens_total")
+        assert got == tokens, f"each token counts once: {tokens} so far, got {got}"
+    name = "vkv_time_to_first_token_seconds"
+    got = histogram(metrics, labels, name, TTFT_BUCKETS)
+    want = (float(len(firsts)), sum(firsts), buckets_of(firsts, TTFT_BUCKETS))
+    assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-9), (
+        "every sequence's first token (num_completion_tokens == 1), a parallel sample's too, "
+        f"observes now - arrival_time: (count, sum) expected {want[:2]}, got {got[:2]}"
+    )
+    assert got[2] == want[2], f"buckets (le = {TTFT_BUCKETS}): expected {want[2]}, got {got[2]}"
+
+
+@seeded
+def test_part2_a_requests_prompt_counts_once_at_its_first_token(rng):
+    logger, metrics, labels = make_logger(rng)
+    counted = 0
+    for now, batch in token_stream(rng):
+        logger.record_tokens(batch, now)
+        counted += sum(
+            s.num_prompt_tokens
+            for s in batch
+            if s.num_completion_tokens == 1 and s.group_id == s.seq_id
+        )
+        got = value(metrics, labels, "vkv_prompt_tokens_total")
+        assert got == counted, (
+            "a request's prompt counts once, at the first token of its first sequence: not at "
+            "later tokens, and not for its other samples (group_id != seq_id): expected "
+            f"{counted}, got {got}"
+        )
+
+
+@seeded
+def test_part2_a_later_token_observes_the_time_since_the_sequences_previous_one(rng):
+    logger, metrics, labels = make_logger(rng)
+    last, gaps = {}, []
+    for now, batch in token_stream(rng):
+        logger.record_tokens(batch, now)
+        for s in batch:
+            if s.num_completion_tokens > 1:
+                gaps.append(now - last[s.seq_id])
+            last[s.seq_id] = now
+    name = "vkv_time_per_output_token_seconds"
+    got = histogram(metrics, labels, name, TPOT_BUCKETS)
+    want = (float(len(gaps)), sum(gaps), buckets_of(gaps, TPOT_BUCKETS))
+    assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-9), (
+        "each token after a sequence's first observes the time since that sequence's previous "
+        f"token (a first token observes none): (count, sum) expected {want[:2]}, got {got[:2]}"
+    )
+    assert got[2] == want[2], f"buckets (le = {TPOT_BUCKETS}): expected {want[2]}, got {got[2]}"
+
+
+# --------------------------------------------------------------------------------------------
+# Part 5.3: record_finished
+# --------------------------------------------------------------------------------------------
+
+
+@seeded
+def test_part3_a_finished_request_counts_under_its_reason(rng):
+    logger, metrics, labels = make_logger(rng)
+    counts = dict.fromkeys(FINISH_REASONS, 0)
+    for k in range(rng.randint(1, 40)):
+        reason = rng.choice(FINISH_REASONS)
+        logger.record_finished(seq(k, 3, 2, 0.0), reason, a_time(rng))
+        counts[reason] += 1
+    got = {
+        r: value(metrics, labels, "vkv_request_success_total", finished_reason=r) for r in counts
+    }
+    assert got == {r: float(c) for r, c in counts.items()}, (
+        f"request_success counts each finished request under its finished_reason: expected "
+        f"{counts}, got {got}"
+    )
+
+
+@seeded
+def test_part3_the_latency_from_arrival_and_the_lengths_are_observed(rng):
+    logger, metrics, labels = make_logger(rng)
+    latencies, prompts, outputs = [], [], []
+    for k in range(rng.randint(1, 25)):
+        arrival = a_time(rng)
+        now = arrival + a_time(rng, 0, 64 * 2000)
+        s = seq(k, rng.randint(1, MAX_MODEL_LEN), rng.randint(0, 600), arrival)
+        logger.last_token_time[k] = now - a_time(rng, 0, 64)  # what part 5.2 remembers
+        logger.record_finished(s, rng.choice(FINISH_REASONS), now)
+        latencies.append(now - arrival)
+        prompts.append(s.num_prompt_tokens)
+        outputs.append(s.num_completion_tokens)
+    lengths = length_buckets(MAX_MODEL_LEN)
+    for name, observed, bounds, what in (
+        ("e2e_request_latency_seconds", latencies, LATENCY_BUCKETS, "now - arrival_time"),
+        ("request_prompt_tokens", prompts, lengths, "the prompt's length"),
+        ("request_generation_tokens", outputs, lengths, "the completion's length"),
+    ):
+        got = histogram(metrics, labels, f"vkv_{name}", bounds)
+        want = (float(len(observed)), float(sum(observed)), buckets_of(observed, bounds))
+        assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-9), (
+            f"{name} observes {what} for each finished request: (count, sum) expected "
+            f"{want[:2]}, got {got[:2]}"
+        )
+        assert got[2] == want[2], f"{name} buckets: expected {want[2]}, got {got[2]}"
+
+
+@seeded
+def test_part3_a_finished_sequence_is_forgotten_and_an_unknown_reason_records_nothing(rng):
+    logger, metrics, _labels = make_logger(rng)
+    live = {k: a_time(rng) for k in rng.sample(range(1000), rng.randint(2, 20))}
+    logger.last_token_time.update(live)
+    done = rng.sample(sorted(live), rng.randint(1, len(live) - 1))
+    for k in done:
+        logger.record_finished(seq(k, 4, 1, 0.0), rng.choice(FINISH_REASONS), 1e3)
+    left = {k: t for k, t in live.items() if k not in done}
+    assert logger.last_token_time == left, (
+        f"record_finished forgets each finished sequence ({sorted(done)}) and only those: "
+        f"last_token_time keeps {sorted(left)}, got {sorted(logger.last_token_time)}"
+    )
+    snapshot = [
+        (m.name, s.name, tuple(sorted(s.labels.items())), s.value)
+        for m in metrics.registry.collect()
+        for s in m.samples
+    ]
+    reason = rng.choice(["done", "stopped", "STOP", "timeout", "", "finished"])
+    victim = rng.choice(sorted(left))
+    with pytest.raises(ValueError) as raised:
+        logger.record_finished(seq(victim, 4, 1, 0.0), reason, 2e3)
+    want = f"unknown finish reason {reason!r}"
+    assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
+    after = [
+        (m.name, s.name, tuple(sorted(s.labels.items())), s.value)
+        for m in metrics.registry.collect()
+        for s in m.samples
+    ]
+    changed = [a for a, b in zip(after, snapshot, strict=False) if a != b and "created" not in a[1]]
+    assert not changed and len(after) == len(snapshot), (
+        f"a refused reason records nothing (check it before counting): changed {changed[:3]}"
+    )
+    assert logger.last_token_time == left, "and forgets nothing"
