@@ -12,7 +12,6 @@ not depend on (``_preempt``, ``_preempt_by_swap``, ``_schedule_prefill_chunks``)
 """
 
 import bisect
-import re
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -118,7 +117,9 @@ class Admission:
         )
 
 
-def draw_admission(rng, cached: bool = False, never: bool = False) -> Admission:
+def draw_admission(
+    rng, cached: bool = False, never: bool = False, chunked: bool | None = None
+) -> Admission:
     """A random fresh scheduler, prompts added to it, and the handout's admission rule applied
     to them by hand. ``never``: one prompt (often the first) could never fit the pool."""
     bs = rng.randint(1, 8)
@@ -129,7 +130,7 @@ def draw_admission(rng, cached: bool = False, never: bool = False) -> Admission:
     if never:
         mml = max(mml, bs * (roomy + 1))
     places = rng.randint(1, 8)
-    chunked = rng.random() < 0.5
+    chunked = rng.random() < 0.5 if chunked is None else chunked
     if chunked:
         budget = rng.randint(places, max(places, 2 * mml))
     else:
@@ -299,8 +300,8 @@ def test_part1_admission_keeps_the_watermark_free(rng):
 
 @seeded
 def test_part1_a_cached_prefix_is_neither_computed_nor_charged(rng):
-    for _ in range(25):
-        case = draw_admission(rng, cached=True)
+    for k in range(25):  # with chunked prefill the chunk is cut from the uncached tokens
+        case = draw_admission(rng, cached=True, chunked=k % 3 > 0)
         out = case.s.schedule()
         assert planned(out) == case.admitted, (
             "a prompt whose first tokens a prefix cache holds (block_manager.num_cached_tokens) "
@@ -370,9 +371,8 @@ def test_part1_a_refused_add_or_abort_says_why_and_changes_nothing(rng):
         used.block_table = rng.sample(range(64), rng.randint(1, 3))
     with pytest.raises(
         ValueError,
-        match=rf"^sequence {used.seq_id} is {used.status.name} with blocks "
-        rf"{re.escape(str(used.block_table))}: only a new WAITING sequence that holds no blocks "
-        "can be added$",
+        match=rf"^sequence {used.seq_id} is {used.status.name} with blocks .*: only a new "
+        "WAITING sequence that holds no blocks can be added$",
     ):
         s.add(used)
     other = bs + rng.randint(1, 8)

@@ -18,8 +18,9 @@ from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode, block_hash
 
 
 def reference_hash(parent: int | None, tokens) -> int:
-    """An independent chained hash (Python's tuple hash of ints, made non-negative)."""
-    return hash((parent, tuple(tokens))) & (2**63 - 1)
+    """An independent chained hash: Python's tuple hash of ints, made non-negative (-1 stands
+    for None, whose own hash changes from one process to the next on Python 3.11)."""
+    return hash((-1 if parent is None else parent, tuple(tokens))) & (2**63 - 1)
 
 
 def colliding_hash(parent: int | None, tokens) -> int:
