@@ -8,35 +8,17 @@ sandbox alone is shown to stop it. The sandboxed half needs bubblewrap: it is sk
 bubblewrap cannot run, and fails instead when ``VKV_REQUIRE_SANDBOX=1`` (as in ``.ci/run``).
 """
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from vkv.assignment import sandbox
 from vkv.assignment.grade import copy_clean, grade
-from vkv.assignment.release import release
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = {"1.1", "1.2"}
 BLOCK = "vkv/engine/block.py"
 OUTSIDE = "code outside the solution regions changed"
-
-
-@pytest.fixture(scope="module")
-def edition(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("edition") / "edition"
-    release(ROOT, out, commit=False)
-    return out
-
-
-@pytest.fixture
-def bwrap():
-    if not sandbox.available():
-        if os.environ.get("VKV_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"VKV_REQUIRE_SANDBOX=1 but {sandbox.why_unavailable()}")
-        pytest.skip(sandbox.why_unavailable())
 
 
 def stub_edition_with(edition: Path, where: Path, path: str, code: str) -> Path:

@@ -39,12 +39,12 @@ from pathlib import Path
 
 import pytest
 
-from vkv.assignment import report, sandbox
+from vkv.assignment import report
 from vkv.assignment.grade import copy_clean, grade
 from vkv.assignment.parts import Assignment
 from vkv.assignment.policy import check_file
 from vkv.assignment.regions import rewrite_regions
-from vkv.assignment.release import release, solve
+from vkv.assignment.release import solve
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSIGNMENT = Assignment.load(ROOT)
@@ -53,26 +53,6 @@ SEQUENCE = "vkv/engine/sequence.py"
 QUANTIZER = "vkv/engine/quantizer.py"
 HIDDEN = ROOT / "tests/hidden"
 TIMEOUT = 60
-
-
-@pytest.fixture(scope="module")
-def edition(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("edition") / "edition"
-    release(ROOT, out, commit=False)
-    return out
-
-
-@pytest.fixture
-def bwrap():
-    if not sandbox.available():
-        if os.environ.get("VKV_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"VKV_REQUIRE_SANDBOX=1 but {sandbox.why_unavailable()}")
-        pytest.skip(sandbox.why_unavailable())
-
-
-@pytest.fixture
-def no_sandbox(monkeypatch):
-    monkeypatch.setattr(sandbox, "available", lambda: False)
 
 
 # ---- building and grading submissions ------------------------------------------------------

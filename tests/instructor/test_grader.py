@@ -10,7 +10,6 @@ the attacks of the grader's adversarial review.
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -28,18 +27,11 @@ from vkv.assignment import comment, report, sandbox
 from vkv.assignment import grade as grade_module
 from vkv.assignment.grade import copy_clean, grade
 from vkv.assignment.parts import Assignment
-from vkv.assignment.release import release, solve
+from vkv.assignment.release import solve
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = {"1.1", "1.2"}
 SCHEMA = json.loads((Path(__file__).parent / "gradescope_schema.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def edition(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("edition") / "edition"
-    release(ROOT, out, commit=False)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -70,19 +62,6 @@ def guarded_score(edition: Path, where: Path, cheat) -> tuple[float, object]:
     assert result.parts[1].status == "not graded", result.parts[1]
     assert "code outside the solution regions changed" in result.parts[1].detail
     return cheat_score(edition, where / "guard", cheat, enforce_policy=False)
-
-
-@pytest.fixture
-def no_sandbox(monkeypatch):
-    monkeypatch.setattr(sandbox, "available", lambda: False)
-
-
-@pytest.fixture
-def bwrap():
-    if not sandbox.available():
-        if os.environ.get("VKV_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"VKV_REQUIRE_SANDBOX=1 but {sandbox.why_unavailable()}")
-        pytest.skip(sandbox.why_unavailable())
 
 
 def prepend(path: Path, code: str) -> None:
