@@ -250,6 +250,7 @@ class RegionCheck:
         self.policy = policy
         self.first, self.last = region.begin + 2, region.end  # 1-based lines inside the markers
         self.tree = tree
+        self.vocabulary = policy.vocabulary(region.part)
         self.function, self.is_method = _enclosing_function(tree, region.begin + 1)
         self.parents = {
             child: node for node in ast.walk(self.function) for child in ast.iter_child_nodes(node)
@@ -330,7 +331,7 @@ class RegionCheck:
                 private = PRIVATE_IDENTIFIER.fullmatch(name or "")
                 if name == "*" or (private and name not in self.policy.given_private):
                     return f"an import of the name {name}"
-            vocabulary = self.policy.vocabulary(self.part) | self.policy.given_private
+            vocabulary = self.vocabulary | self.policy.given_private
             if isinstance(node, ast.ImportFrom) and alias.name not in vocabulary:
                 return f"an import of the name {alias.name}, which {node.module} does not give"
         return None
@@ -363,7 +364,7 @@ class RegionCheck:
         if not on_self and name not in self.policy.given_private:
             if PRIVATE_IDENTIFIER.fullmatch(name):
                 return f"the private attribute {name} of an object other than self"
-            if name not in self.policy.vocabulary(self.part):
+            if name not in self.vocabulary:
                 return f"the attribute `{name}` is not allowed", (
                     "any attribute of self; on other objects, the public names of the given "
                     "classes, the methods of list, dict, set, deque and str (not format), and "
