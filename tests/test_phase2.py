@@ -5,12 +5,11 @@ the scheduler as the engine does: ``out = schedule()``, run the step (here: inve
 per scheduled sequence), ``postprocess(out.scheduled, tokens)``.
 """
 
-import math
 from collections import Counter, deque
-from time import perf_counter
 from typing import ClassVar
 
 import pytest
+from cost import fastest_ratio
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -660,30 +659,32 @@ def test_part2_finishes_on_eos_unless_ignore_eos():
     )
 
 
-def seconds_for_a_step_where_all_finish(batch: int, repeats: int = 3) -> float:
-    """The fastest of ``repeats`` decode steps of ``batch`` sequences that all finish in it."""
-    best = math.inf
-    for _ in range(repeats):
-        s = make_scheduler(
-            num_gpu_blocks=batch + 8, max_num_seqs=batch, max_num_batched_tokens=2 * batch
-        )
-        for i in range(batch):
-            make_seq(s, i, 1, max_tokens=2)
-        step(s)  # the prefills: one token generated each
-        start = perf_counter()
-        step(s)  # the decodes: every sequence reaches max_tokens
-        best = min(best, perf_counter() - start)
+def a_step_where_all_finish(batch: int):
+    """``batch`` sequences prefilled (untimed), and the measured call: the decode step in which
+    every one of them reaches max_tokens."""
+    s = make_scheduler(
+        num_gpu_blocks=batch + 8, max_num_seqs=batch, max_num_batched_tokens=2 * batch
+    )
+    for i in range(batch):
+        make_seq(s, i, 1, max_tokens=2)
+    step(s)  # the prefills: one token generated each
+
+    def run():
+        step(s)
         assert s.is_finished(), f"all {batch} sequences finish in the second step"
-    return best
+
+    return run
 
 
 def test_part2_a_step_costs_o_of_the_batch():
     small, large = 256, 8192
-    per_small = seconds_for_a_step_where_all_finish(small, repeats=7) / small
-    per_large = seconds_for_a_step_where_all_finish(large) / large
+    per_small, per_large = fastest_ratio(
+        lambda: a_step_where_all_finish(small), lambda: a_step_where_all_finish(large), repeats=5
+    )
+    per_small, per_large = per_small / small, per_large / large
     assert per_large < 4 * per_small, (
-        f"a decode step cost {per_large * 1e6:.1f} µs per sequence with {large} running and "
-        f"{per_small * 1e6:.1f} µs with {small}: a step must cost O(batch), not O(batch²) "
+        f"a decode step cost {per_large * 1e6:.1f} µs of CPU per sequence with {large} running "
+        f"and {per_small * 1e6:.1f} µs with {small}: a step must cost O(batch), not O(batch²) "
         "(build the new running list as you go; do not search or remove from lists per sequence)"
     )
 
