@@ -141,4 +141,4 @@ def test_demo_on_a_stubbed_edition_names_the_part(monkeypatch, capsys):
 
     monkeypatch.setattr(BlockManager, "can_allocate", stub)
     assert main(["demo", "--requests", "2", "--no-live"]) == 2
-    assert "runs on your BlockManager and Scheduler: part 1.3" in capsys.readouterr().err
+    assert "error: part 1.3: BlockManager.can_allocate" in capsys.readouterr().err

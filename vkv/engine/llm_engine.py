@@ -11,6 +11,11 @@ the batch raises, each sequence runs again on its own; one that raises alone fin
 ``finish_reason == "error"`` and the error's one-line description, its blocks freed, and the
 others go on. A missing part of the assignment (``NotImplementedError``) is not a request's
 fault: it propagates.
+
+The engine runs on what a student has done (``vkv.assignment.progress``): it needs Phases 1–2,
+and an option that runs a part still stubbed (a quantized cache: Phase 3; prefix caching:
+Phase 4) is refused at construction with that part's one-line ``NotImplementedError``. Without
+Phase 5's logger the engine runs without metrics and says so once on stderr.
 """
 
 import hashlib
@@ -23,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from vkv.config import Config
+from vkv.assignment import progress
+from vkv.config import KV_CACHE_DTYPES, Config
 from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
 from vkv.engine.model_runner import ModelRunner
 from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -100,6 +106,7 @@ class LLMEngine:
         backend = backend or ("triton" if self.device.type == "cuda" else "torch")
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend must be torch or triton, got {backend!r}")
+        needs_done_parts(kv_cache_dtype, enable_prefix_caching)
         if backend == "triton" and self.device.type != "cuda" and not TRITON_INTERPRETED:
             raise ValueError(
                 "the triton backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
@@ -188,7 +195,7 @@ class LLMEngine:
             kv_quant_group=kv_quant_group,
             block_size=str(block_size),
         ).set(1)
-        self.stat_logger = StatLogger(self.metrics)
+        self.stat_logger = metrics_logger(self.metrics)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text, or token ids); return its request id.
@@ -314,7 +321,8 @@ class LLMEngine:
         now = time.monotonic()
         for seq in unfinished:
             self.scheduler.abort(seq.seq_id)
-            self.stat_logger.record_finished(seq, "abort", now)
+            if self.stat_logger is not None:
+                self.stat_logger.record_finished(seq, "abort", now)
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -365,7 +373,9 @@ class LLMEngine:
         self, out: SchedulerOutput, touched: list[Sequence], outputs: list[RequestOutput]
     ) -> None:
         """The step in the metrics (``StatLogger``): the state and events, the tokens gained,
-        the sequences finished."""
+        the sequences finished; nothing without a logger (Phase 5 not done)."""
+        if self.stat_logger is None:
+            return
         now = time.monotonic()
         self.stat_logger.record_step(out, self.scheduler, now)
         pairs = list(zip(touched, outputs, strict=True))
@@ -454,6 +464,28 @@ def sample_seed(seed: int | None, index: int) -> int | None:
         return None
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % MAX_SEED
+
+
+METRICS_FILE = "vkv/metrics/stats.py"  # StatLogger, Phase 5's parts that the engine calls
+
+
+def needs_done_parts(kv_cache_dtype: str, enable_prefix_caching: bool) -> None:
+    """Refuse, naming the part, an engine whose options run a part not done yet."""
+    progress.needed("the engine (its Sequence, BlockManager and Scheduler)", {1, 2})
+    if KV_CACHE_DTYPES.get(kv_cache_dtype, 16) < 16:
+        progress.needed(f"a quantized KV cache (--kv-cache-dtype {kv_cache_dtype})", {3})
+    if enable_prefix_caching:
+        progress.needed("prefix caching (--enable-prefix-caching)", {4})
+
+
+def metrics_logger(metrics: EngineMetrics) -> StatLogger | None:
+    """The engine's StatLogger; None, said once on stderr, while Phase 5's logger is a stub."""
+    unfinished = progress.first_unfinished({5}, {METRICS_FILE})
+    if unfinished is None:
+        return StatLogger(metrics)
+    part, qualname = unfinished
+    print(f"vkv: metrics off until part {part} ({qualname}) is done", file=sys.stderr)
+    return None
 
 
 def default_device() -> torch.device:
