@@ -240,8 +240,23 @@ def test_writing_to_the_trusted_tree_voids_the_grade(edition, tmp_path_factory, 
     target.parent.mkdir(parents=True)
     target.write_text("")
     prepend(submission / "vkv/engine/block.py", f"open({str(target)!r}, 'a').write('# x')")
-    with pytest.raises(RuntimeError, match="trusted tree"):
+    with pytest.raises(RuntimeError, match="trusted tree") as raised:
         grade(submission, trusted, parts=PARTS, timeout=15, enforce_policy=False)
+    assert "the first changed path: .venv/lib/sitecustomize.py" in str(raised.value)
+
+
+def test_a_tree_graded_by_its_own_tests_is_never_void(edition, tmp_path, no_sandbox):
+    """A student grading their own tree while their other commands write to it (a pytest
+    cache, a new file, an edit): a progress check of what was read, not a void grade."""
+    submission = honest(edition, tmp_path)
+    writes = "".join(
+        f"open({str(submission / name)!r}, 'a').write('# x')\n"
+        for name in ("notes.txt", "tests/test_phase1.py", "vkv/engine/sequence.py")
+    )
+    prepend(submission / "vkv/engine/block.py", writes)
+    result = grade(submission, parts=PARTS, timeout=60, enforce_policy=False)
+    assert result.progress_check
+    assert (submission / "notes.txt").read_text().startswith("# x")
 
 
 def test_garbage_in_the_report_does_not_crash_the_grader(edition, tmp_path, honest_score):

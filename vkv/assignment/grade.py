@@ -217,10 +217,11 @@ def grade(
         )
     seed = secrets.randbelow(2**32) if seed is None else seed
     trusted = trusted or submission
+    self_graded = trusted.resolve() == submission.resolve()  # a progress check, never void
     assignment = Assignment.load(trusted)
     if parts is not None:
         assignment = assignment.restricted_to(parts)
-    trusted_before = tree_digest(trusted)
+    trusted_before = {} if self_graded else tree_state(trusted)
     with tempfile.TemporaryDirectory(prefix="vkv-grade-", ignore_cleanup_errors=True) as scratch:
         base = Path(scratch) / "base"
         copy_clean(trusted, base)
@@ -234,10 +235,12 @@ def grade(
         runs = _plan(Path(scratch), base, ids_by_part, submitted, reference, assignment)
         graded = [run for run in runs if run.part not in not_graded]
         done = _run_all(graded, Settings(timeout, sandboxed, seed))
-    if tree_digest(trusted) != trusted_before:
+    changed = None if self_graded else first_change(trusted_before, tree_state(trusted))
+    if changed is not None:
         raise RuntimeError(
-            f"the trusted tree {trusted} changed while grading (a submission wrote to it): "
-            "this grade is void; restore the tree before grading anything else"
+            f"the trusted tree {trusted} changed while grading (a submission wrote to it; the "
+            f"first changed path: {changed}): this grade is void; restore the tree before "
+            "grading anything else"
         )
 
     def result(part: Part, isolated: bool) -> PartResult:
@@ -251,7 +254,6 @@ def grade(
         own = [done[run] for run in runs if run.part == part.id and run.isolated is isolated]
         return _part_result(part, *_combine(own))
 
-    self_graded = trusted.resolve() == submission.resolve()
     report = GradeReport(
         parts=[result(part, False) for part in assignment.parts],
         protected_modified=protected_changes(submission, trusted, assignment),
@@ -428,24 +430,31 @@ def symbolic_links(root: Path) -> list[str]:
     return sorted(links)
 
 
-def tree_digest(root: Path) -> str:
-    """A digest of every file under ``root``, links included: the content of each file of
-    ``tree_files``, and the size, mtime and ctime of the rest (version control, virtual
-    environments, caches: too large to read each time, and a write changes its ctime)."""
-    digest = hashlib.sha256()
+def tree_state(root: Path) -> dict[str, str]:
+    """Every path under ``root``, links included, with a fingerprint: the content's sha256 for
+    each file of ``tree_files``, the size, mtime and ctime of the rest (version control,
+    virtual environments, caches: too large to read each time, and a write changes its
+    ctime)."""
+    state = {}
     content = tree_files(root)
     for directory, subdirs, names in os.walk(root):
-        subdirs.sort()
-        for name in sorted(names + [d for d in subdirs if Path(directory, d).is_symlink()]):
+        for name in names + [d for d in subdirs if Path(directory, d).is_symlink()]:
             path = Path(directory) / name
             relative = path.relative_to(root).as_posix()
-            digest.update(relative.encode() + b"\0")
             if relative in content:
-                digest.update(hashlib.sha256(path.read_bytes()).digest())
+                state[relative] = hashlib.sha256(path.read_bytes()).hexdigest()
             else:
                 info = path.lstat()
-                digest.update(f"{info.st_size} {info.st_mtime_ns} {info.st_ctime_ns}".encode())
-    return digest.hexdigest()
+                state[relative] = f"{info.st_size} {info.st_mtime_ns} {info.st_ctime_ns}"
+    return state
+
+
+def first_change(before: dict[str, str], after: dict[str, str]) -> str | None:
+    """The first path, in sorted order, written, added or removed between two ``tree_state``s."""
+    changed = sorted(
+        path for path in before.keys() | after.keys() if before.get(path) != after.get(path)
+    )
+    return changed[0] if changed else None
 
 
 def copy_clean(source: Path, target: Path, leave_out: str | None = None) -> None:
