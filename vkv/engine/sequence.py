@@ -113,7 +113,14 @@ class Sequence:
         return self.num_tokens
 
     def __repr__(self) -> str:
-        return f"Sequence(seq_id={self.seq_id}, status={self.status.name}, tokens={len(self)})"
+        """``Sequence(seq_id=3, status=RUNNING, tokens=17)``; while part 1.1 is a stub, the
+        fields it has (none before ``__init__`` is written): a failing test's report names the
+        sequence instead of an error raised in ``repr()``."""
+        try:
+            return f"Sequence(seq_id={self.seq_id}, status={self.status.name}, tokens={len(self)})"
+        except (AttributeError, NotImplementedError):
+            seq_id = getattr(self, "seq_id", None)
+            return "Sequence(part 1.1 not done)" if seq_id is None else f"Sequence({seq_id=})"
 
     @property
     def num_completion_tokens(self) -> int:
