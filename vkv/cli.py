@@ -25,6 +25,9 @@ from rich.markup import escape
 from vkv.assignment.parts import MANIFEST, Assignment
 from vkv.config import GRANULARITIES, KV_CACHE_DTYPES, QUANT_GROUPS
 
+DESCRIPTION = "vkv-engine: a paged-KV inference engine and the course built on it."
+GENERATE = "generate text (default model: the built-in vkv-tiny)"
+
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -307,7 +310,7 @@ def _kv_cache(args: argparse.Namespace) -> dict[str, str | bool]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vkv", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="vkv", description=DESCRIPTION)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     grade = commands.add_parser("grade", help="score a submission, per part")
@@ -344,7 +347,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     grade.set_defaults(run=_grade)
 
-    generate = commands.add_parser("generate", help="generate text with a checkpoint folder")
+    generate = commands.add_parser(
+        "generate", help="generate text (default model: the built-in vkv-tiny)"
+    )
     generate.add_argument("prompts", nargs="+", metavar="PROMPT")
     generate.add_argument(
         "--model", help="a Hugging Face checkpoint folder (default: the built-in vkv-tiny)"

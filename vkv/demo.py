@@ -97,6 +97,8 @@ def run_demo(
         raise ValueError(f"the demo needs at least one request, got {requests}")
     if max_tokens < 1:
         raise ValueError(f"the longest completion (--max-tokens) must be >= 1, got {max_tokens}")
+    if gpu_blocks < 1:
+        raise ValueError(f"the device KV pool (--gpu-blocks) must be >= 1 block, got {gpu_blocks}")
     config = read_config(model)
     dtype = model_dtype(default_device())
     unquantized = CacheShape(

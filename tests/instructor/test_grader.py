@@ -9,6 +9,7 @@ the attacks of the grader's adversarial review.
 """
 
 import hashlib
+import io
 import json
 import re
 import shutil
@@ -728,3 +729,33 @@ def test_comment_rejects_a_malformed_document(broken):
 def test_hidden_tests_are_left_out_of_the_edition(edition):
     assert not (edition / "tests/hidden").exists()
     assert shutil.which("git") is not None
+
+
+def test_a_piped_table_holds_every_title_whole():
+    parts = Assignment.load(ROOT).parts
+    result = grade_module.GradeReport(
+        [grade_module.PartResult(part, (), "not started", "") for part in parts],
+        progress_check=False,
+    )
+    out = io.StringIO()
+    report.print_table(result, Console(file=out))  # a file: no terminal
+    for part in parts:
+        assert part.title in out.getvalue(), f"{part.title!r} is cut in the piped table"
+
+
+@pytest.mark.parametrize(
+    ("stubs", "detail"),
+    [
+        (["1.2"], "fails on the stub of part 1.2: finish that part first"),
+        (["1.2", "1.3"], "fails on the stub of parts 1.2 and 1.3: finish those parts first"),
+        (["1.1", "1.2", "1.3"], "fails on the stub of parts 1.1, 1.2 and 1.3: finish those parts"),
+    ],
+)
+def test_a_part_blocked_by_other_stubs_names_them_in_the_right_number(stubs, detail):
+    part = Assignment.load(ROOT).part("1.4")
+    tests = [
+        grade_module.TestOutcome(f"t{i}", "failed", f"NotImplementedError: part {stub}: x")
+        for i, stub in enumerate(stubs)
+    ]
+    result = grade_module._part_result(part, tests, "failed", "")
+    assert result.detail.startswith(detail)

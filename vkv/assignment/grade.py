@@ -376,9 +376,17 @@ def _part_result(part: Part, tests: list[TestOutcome], status: str, detail: str)
         if own and len(failures) == len(tests):
             status = "not started"
         elif not own:
-            others = ", ".join(sorted(set().union(*stubs)))
-            detail = f"fails on the stub of part {others}: finish that part first"
+            others = sorted(set().union(*stubs))
+            those = "that part" if len(others) == 1 else "those parts"
+            detail = f"fails on the stub of {_parts(others)}: finish {those} first"
     return PartResult(part, tuple(tests), status, detail)
+
+
+def _parts(ids: list[str]) -> str:
+    """``part 1.2``, ``parts 1.2 and 1.3``, ``parts 1.1, 1.2 and 1.3``."""
+    if len(ids) == 1:
+        return f"part {ids[0]}"
+    return f"parts {', '.join(ids[:-1])} and {ids[-1]}"
 
 
 def submitted_file(submission: Path, path: str) -> Path | None:

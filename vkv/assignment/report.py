@@ -121,7 +121,13 @@ def as_gradescope(report: GradeReport) -> str:
     return json.dumps(document, indent=2)
 
 
+PIPED_WIDTH = 400  # columns for a table that no terminal wraps
+
+
 def print_table(report: GradeReport, console: Console) -> None:
+    """The grade as a table; piped or redirected, as wide as its rows (never cut to 80)."""
+    if not console.is_terminal:
+        console = Console(file=console.file, width=PIPED_WIDTH, color_system=None)
     table = Table(title="vkv grade")
     columns = ["part", "title", "tests passed", "status", "score"]
     if report.isolated is not None:
