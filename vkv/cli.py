@@ -347,9 +347,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     grade.set_defaults(run=_grade)
 
-    generate = commands.add_parser(
-        "generate", help="generate text (default model: the built-in vkv-tiny)"
-    )
+    generate = commands.add_parser("generate", help=GENERATE, description=GENERATE)
     generate.add_argument("prompts", nargs="+", metavar="PROMPT")
     generate.add_argument(
         "--model", help="a Hugging Face checkpoint folder (default: the built-in vkv-tiny)"
