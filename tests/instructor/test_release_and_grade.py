@@ -1,7 +1,9 @@
 """The student edition, solve and grade on the real repository (instructor tooling)."""
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,19 @@ def test_isolate_blames_the_part_whose_region_is_wrong(tmp_path):
     assert alone["2.3"].score == alone["2.3"].part.points, (
         "graded alone, part 2.3 (correct) runs with the reference 2.2 and keeps its points"
     )
+
+
+def test_the_student_readme_says_which_files_k_part3_selects(edition):
+    """The README's claim about ``-k part3`` without a file, checked by collecting."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-k", "part3"],
+        cwd=edition,
+        env={**os.environ, "PYTHONPATH": str(edition)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    files = {line.split("::")[0] for line in run.stdout.splitlines() if "::" in line}
+    assert files == {f"tests/test_phase{phase}.py" for phase in range(1, 6)}, run.stdout[-2000:]
+    readme = " ".join((edition / "README.md").read_text().split())
+    assert "from all five files `tests/test_phase1.py` … `tests/test_phase5.py`" in readme
