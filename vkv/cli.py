@@ -121,7 +121,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    from vkv.demo import run_demo
+    from vkv.demo import STEPS_PER_SECOND, run_demo
 
     run_demo(
         console,
@@ -133,6 +133,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         preemption_mode=args.preemption_mode,
         max_tokens=args.max_tokens,
         live=console.is_terminal and not args.no_live,
+        steps_per_second=None if args.fast else STEPS_PER_SECOND,
         **_kv_cache(args),
     )
     return 0
@@ -383,6 +384,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--preemption-mode", choices=["swap", "recompute"], default="swap")
     demo.add_argument("--max-tokens", type=int, default=160, help="the longest completion")
     demo.add_argument("--no-live", action="store_true", help="print only the summary")
+    demo.add_argument(
+        "--fast",
+        action="store_true",
+        help="draw the live view as fast as the engine steps (default: 8 steps a second)",
+    )
     _kv_cache_options(demo)
     demo.set_defaults(run=_demo)
 

@@ -5,7 +5,12 @@ too small to hold them all at once, so the scheduler has to queue requests, pree
 ones (by swapping their blocks to the CPU pool, or by dropping them to recompute later) and
 resume them. Every step the view shows the queues, both block pools (each block coloured by the
 request that owns it: a request's blocks are scattered, not contiguous) and each request's
-progress. A summary ends the run.
+progress, at a pace a person can follow (``steps_per_second``; ``--fast``: as fast as the
+engine goes). A summary ends the run.
+
+The pool is ``gpu_blocks`` blocks in every KV format, so the same experiment preempts in each;
+what a quantized format changes is the bytes those blocks take, which the summary compares with
+a 16-bit cache of as many blocks (the README's baseline).
 """
 
 import random
@@ -21,10 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from vkv.config import Config
-from vkv.engine.cache_engine import CacheShape
-from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine, default_device, model_dtype
+from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine, sixteen_bit_ratio
 from vkv.engine.sequence import Sequence, SequenceStatus
-from vkv.models.loader import read_config
 from vkv.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -43,7 +46,8 @@ PROMPTS = [
 ]
 PALETTE = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green"]
 PALETTE += ["bright_yellow", "bright_blue", "bright_magenta", "bright_cyan", "orange3", "purple"]
-REFRESH_SECONDS = 0.25
+REFRESH_SECONDS = 0.25  # --fast: at most one frame per this many seconds
+STEPS_PER_SECOND = 8.0  # the live view's default pace: every step drawn, this many a second
 STATES = {
     SequenceStatus.WAITING: "waiting",
     SequenceStatus.RUNNING: "running",
@@ -81,6 +85,7 @@ def run_demo(
     preemption_mode: str = "swap",
     max_tokens: int = 160,
     live: bool = True,
+    steps_per_second: float | None = STEPS_PER_SECOND,
     kv_cache_dtype: str = "auto",
     key_granularity: str = "per_token",
     kv_quant_group: str = "head",
@@ -88,10 +93,10 @@ def run_demo(
 ) -> DemoSummary:
     """Serve ``requests`` prompts and show each step; return what happened.
 
-    ``gpu_blocks`` is the device pool's size in unquantized blocks: with an ``int8`` or
-    ``int4`` KV cache the same bytes hold more blocks, and the demo shows the larger pool
-    (keys per channel: less the key residual, one full-precision block per request and one
-    more while a block fills).
+    ``gpu_blocks`` is the device pool's size in blocks, whatever the KV format (keys per
+    channel add their full-precision residual on top). In the live view every step is drawn,
+    ``steps_per_second`` of them a second; ``None`` draws at most a frame every
+    ``REFRESH_SECONDS`` and never waits.
     """
     if requests < 1:
         raise ValueError(f"the demo needs at least one request, got {requests}")
@@ -99,15 +104,12 @@ def run_demo(
         raise ValueError(f"the longest completion (--max-tokens) must be >= 1, got {max_tokens}")
     if gpu_blocks < 1:
         raise ValueError(f"the device KV pool (--gpu-blocks) must be >= 1 block, got {gpu_blocks}")
-    config = read_config(model)
-    dtype = model_dtype(default_device())
-    unquantized = CacheShape(
-        config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype
-    )
+    if steps_per_second is not None and not steps_per_second > 0:
+        raise ValueError(f"the pace (steps per second) must be > 0, got {steps_per_second}")
     engine = LLMEngine(
         model,
         block_size=block_size,
-        kv_cache_bytes=gpu_blocks * unquantized.block_bytes,
+        num_gpu_blocks=gpu_blocks,
         num_cpu_blocks=cpu_blocks,
         preemption_mode=preemption_mode,
         max_model_len=gpu_blocks * block_size,
@@ -133,7 +135,11 @@ def run_demo(
         while engine.has_unfinished_requests():
             engine.step()
             history.append(dict(engine.stats))
-            if live and time.perf_counter() - shown >= REFRESH_SECONDS:
+            if live and steps_per_second is not None:
+                view.update(_render(engine, seqs, history, started), refresh=True)
+                time.sleep(max(0.0, shown + 1 / steps_per_second - time.perf_counter()))
+                shown = time.perf_counter()
+            elif live and time.perf_counter() - shown >= REFRESH_SECONDS:
                 view.update(_render(engine, seqs, history, started), refresh=True)
                 shown = time.perf_counter()
         if live:
@@ -237,6 +243,7 @@ def _summary_table(summary: DemoSummary, engine: LLMEngine) -> Table:
         f"of {config.block_size} tokens ({config.kv_cache_dtype}{_keys_note(config)}), "
         "preemption by "
         f"{config.preemption_mode.value}",
+        "GPU KV bytes": _bytes_note(engine),
         "requests": f"{summary.requests}, finished by "
         + ", ".join(
             f"{reason} {count}" for reason, count in sorted(summary.finish_reasons.items())
@@ -261,6 +268,15 @@ def _prefix_note(engine: LLMEngine) -> str:
         return "off (--enable-prefix-caching shares the blocks of repeated prompt prefixes)"
     queries, hits = engine.stats["prefix_cache_queries"], engine.stats["prefix_cache_hits"]
     return f"{hits:,} of {queries:,} prompt tokens hit ({hits / max(queries, 1):.0%})"
+
+
+def _bytes_note(engine: LLMEngine) -> str:
+    """The device pool's bytes; for a quantized cache, against 16-bit blocks as many."""
+    shape = engine.cache_engine.shape
+    pool = engine.config.num_gpu_blocks * shape.block_bytes
+    if not shape.quantized:
+        return f"{pool / 2**20:.1f} MiB ({shape.dtype})"
+    return f"{pool / 2**20:.1f} MiB, {sixteen_bit_ratio(shape):.2f}x less than 16-bit"
 
 
 def _keys_note(config: Config) -> str:

@@ -3,6 +3,7 @@
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from rich.console import Console
 from tiny_checkpoints import greedy_by_recompute
 from transformers import AutoModelForCausalLM
 
-from vkv import LLM, SamplingParams
+from vkv import LLM, SamplingParams, demo
 from vkv.bench import Workload, run_e2e, run_transformers, run_vkv
 from vkv.cli import main
 from vkv.demo import run_demo
@@ -88,6 +89,32 @@ def test_demo_preempts_and_finishes_every_request(mode):
         assert swapped == (0, 0)
     shown = console.file.getvalue()
     assert "GPU blocks" in shown and "vkv demo: summary" in shown
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_the_demo_preempts_in_every_kv_format_and_says_what_its_blocks_cost(kv_cache_dtype):
+    console = Console(file=io.StringIO(), width=200)
+    summary = run_demo(
+        console, requests=8, gpu_blocks=10, max_tokens=64, live=False, kv_cache_dtype=kv_cache_dtype
+    )
+    assert summary.preemptions > 0, "the pool is gpu_blocks blocks in every format: too small"
+    shown = console.file.getvalue()
+    assert "10 GPU blocks" in shown
+    assert re.search(r"GPU KV bytes +│ [\d.]+ MiB, \d\.\d\dx less than 16-bit", shown), shown
+
+
+def test_the_live_demo_draws_every_step_at_its_pace_and_fast_never_waits(monkeypatch):
+    waits = []
+    monkeypatch.setattr(demo.time, "sleep", waits.append)
+    for pace in (4.0, None):
+        waits.clear()
+        console = Console(file=io.StringIO(), force_terminal=True, width=120)
+        summary = run_demo(console, requests=2, gpu_blocks=8, max_tokens=4, steps_per_second=pace)
+        if pace is None:
+            assert waits == [], "--fast never waits"
+        else:
+            assert len(waits) == summary.steps, "every step is drawn, then waits for the pace"
+            assert all(0 <= wait <= 1 / pace for wait in waits)
 
 
 def test_demo_and_generate_commands(llm, capsys):

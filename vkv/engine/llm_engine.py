@@ -497,19 +497,27 @@ def model_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type == "cuda" else torch.float32
 
 
+def sixteen_bit_ratio(shape: CacheShape) -> float:
+    """How many blocks of ``shape`` fit in the bytes of one 16-bit block (the README's baseline,
+    whatever dtype the model runs in: float32 on a CPU)."""
+    sixteen = replace(
+        shape,
+        dtype=torch.float16,
+        kv_cache_dtype="auto",
+        key_granularity="per_token",
+        quant_group="head",
+    )
+    return sixteen.block_bytes / shape.block_bytes
+
+
 def _capacity_note(shape: CacheShape) -> str:
-    """For a quantized cache: its format, and how many more blocks a byte holds than unquantized."""
+    """For a quantized cache: its format, and how many more blocks a byte holds than 16-bit."""
     if not shape.quantized:
         return ""
-    plain = replace(
-        shape, kv_cache_dtype="auto", key_granularity="per_token", quant_group="head"
-    ).block_bytes
     keys = ", keys per channel" if shape.per_channel_keys else ""
     keys += ", one scale per token" if shape.quant_group == "token" else ""
-    return (
-        f", {shape.kv_cache_dtype}{keys}: {plain / shape.block_bytes:.2f}x the blocks of "
-        f"{shape.dtype}"
-    )
+    ratio = sixteen_bit_ratio(shape)
+    return f", {shape.kv_cache_dtype}{keys}: {ratio:.2f}x the blocks of a 16-bit cache"
 
 
 def _is_token_id(value: object) -> bool:
