@@ -114,7 +114,8 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         backend=args.backend,
         **_kv_cache(args),
     )
-    for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
+    outputs = llm.generate(args.prompts, params, use_progress=console.is_terminal)
+    for prompt, output in zip(args.prompts, outputs, strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
         console.print(output["text"], markup=False, highlight=False)
     return 0

@@ -52,10 +52,19 @@ class LLM:
             self.engine.check_request(prompt, params)
         ids = [self.engine.add_request(prompt, params) for prompt, params in batch]
         done: dict[tuple[int, int], dict] = {}
+        budget = {
+            request_id: (params or SamplingParams()).max_tokens
+            for request_id, (_, params) in zip(ids, batch, strict=True)
+        }
         with Progress(disable=not use_progress, transient=True) as progress:
-            task = progress.add_task("generating", total=len(ids))
+            # in tokens, so that the bar moves while a long completion is generated
+            task = progress.add_task("generating", total=sum(budget.values()))
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
+                    if output.index == 0:  # the first sample's tokens; the rest when it ends
+                        gained = len(output.new_token_ids)
+                        left = budget[output.request_id] - len(output.token_ids)
+                        progress.advance(task, gained + (max(left, 0) if output.finished else 0))
                     if output.finished:
                         done[output.request_id, output.index] = {
                             "text": self.engine.decode(output.token_ids),
@@ -63,8 +72,6 @@ class LLM:
                             "finish_reason": output.finish_reason,
                             "error": output.error,
                         }
-                        if output.index == 0:
-                            progress.advance(task)
         results = []
         for request_id, (_, params) in zip(ids, batch, strict=True):
             n = 1 if params is None else params.n
