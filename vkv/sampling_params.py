@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 
 MAX_SEED = 2**63  # a torch.Generator seed is a 64-bit signed integer
+SAMPLING_EPS = 1e-5  # a temperature below it samples greedily (vLLM's bound)
 
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """Per-request sampling options (the names follow vLLM and nano-vLLM).
 
-    - ``temperature``: 0 means greedy (argmax); otherwise logits are divided by it.
+    - ``temperature``: 0 means greedy (argmax); otherwise logits are divided by it. Below
+      ``SAMPLING_EPS`` (1e-5) it is greedy too: dividing by 1e-300 overflows the logits.
     - ``top_k``: keep the k most likely tokens; -1 keeps all.
     - ``top_p``: keep the smallest set of tokens whose probability reaches p; in (0, 1].
     - ``max_tokens``: the most tokens to generate (the completion, not the prompt).
@@ -59,8 +61,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether sampling reduces to argmax."""
-        return self.temperature == 0.0
+        """Whether sampling reduces to argmax: a temperature below ``SAMPLING_EPS``."""
+        return self.temperature < SAMPLING_EPS
 
 
 def _is_int(value: object) -> bool:

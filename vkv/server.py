@@ -8,9 +8,14 @@ disconnects aborts its request, which frees its blocks at once.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent
 events with ``"stream": true``; ``n``, ``temperature``, ``top_p``, ``max_tokens``, ``stop``,
-``seed``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the engine's Prometheus
-registry). Bad input gets an OpenAI-style error body, ``{"error": {"message", "type", "param",
-"code"}}``, with status 400 (404 for an unknown model), and the engine is untouched.
+``seed``, ``user``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the engine's
+Prometheus registry). Bad input gets an OpenAI-style error body, ``{"error": {"message",
+"type", "param", "code"}}``, with status 400 (404 for an unknown model), and the engine is
+untouched: any other field (``logprobs``, ``echo``, ``tools``...) is refused naming it, as is
+a missing ``model``, a ``stream`` that is not a boolean, a body over 8 MiB or nested more than
+32 deep (checked before it is decoded), and a prompt that could never fit the KV pool. A
+prompt is tokenized and checked off the engine's thread and the event loop, so a large one
+does not pause the other streams.
 
 Chat prompts: the checkpoint's ``chat_template`` (``tokenizer_config.json``, Jinja) when it has
 one; otherwise, as for vkv-tiny, each message as ``"{role}: {content}\\n"`` followed by
@@ -18,7 +23,9 @@ one; otherwise, as for vkv-tiny, each message as ``"{role}: {content}\\n"`` foll
 """
 
 import asyncio
+import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -40,6 +47,36 @@ from vkv.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 WAIT_SECONDS = 0.2  # the longest a request waits for output before it looks for a gone client
+MAX_BODY_BYTES = 8 << 20  # a request body's size bound
+MAX_JSON_DEPTH = 32  # how deeply a body may nest arrays and objects (json.loads recurses)
+JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+NOT_BRACKETS = re.compile(r"[^\[\]{}]")
+SERVED = {  # the fields each endpoint serves; OpenAI's others are refused by name
+    "completions": {
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "seed",
+        "stream",
+        "user",
+    },
+    "chat": {
+        "model",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "seed",
+        "stream",
+        "user",
+    },
+}
 
 
 class RequestError(ValueError):
@@ -162,7 +199,7 @@ def create_app(engine: LLMEngine, model_name: str, chat_template: str | None = N
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request, model_name)
+        body = await read_body(request, model_name, SERVED["completions"])
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string", "prompt")
@@ -170,28 +207,57 @@ def create_app(engine: LLMEngine, model_name: str, chat_template: str | None = N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request, model_name)
+        body = await read_body(request, model_name, SERVED["chat"])
         prompt = render_chat(body.get("messages"), chat_template)
         return await respond(request, served, body, prompt, chat=True)
 
     return app
 
 
-async def read_body(request: Request, model_name: str) -> dict:
+async def read_body(request: Request, model_name: str, served: set[str]) -> dict:
+    """The request's JSON object, checked: its size and depth bounded before it is decoded, its
+    fields those the endpoint serves, its ``model`` given and this server's, ``stream`` a
+    boolean (``RequestError`` names what is wrong)."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise RequestError(f"the body has {len(raw):,} bytes, more than {MAX_BODY_BYTES:,}")
     try:
-        body = json.loads(await request.body())
+        body = await asyncio.to_thread(decode_bounded, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RequestError(f"the body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
-    if body.get("model") != model_name:
+    unserved = sorted(body.keys() - served)
+    if unserved:
         raise RequestError(
-            f"The model `{body.get('model')}` does not exist: this server serves `{model_name}`",
+            f"`{unserved[0]}` is not supported by vkv serve (it serves "
+            f"{', '.join(sorted(served))})",
+            unserved[0],
+        )
+    if "model" not in body:
+        raise RequestError("model is required: the model to use", "model")
+    if body["model"] != model_name:
+        raise RequestError(
+            f"The model `{body['model']}` does not exist: this server serves `{model_name}`",
             "model",
             status=404,
             code="model_not_found",
         )
+    if not isinstance(body.get("stream", False), bool):
+        raise RequestError(f"stream must be true or false, got {body['stream']!r}", "stream")
     return body
+
+
+def decode_bounded(raw: bytes) -> object:
+    """``json.loads`` of a body that nests at most ``MAX_JSON_DEPTH`` arrays and objects; a
+    deeper one raises ``RequestError`` before the decoder recurses into it."""
+    text = raw.decode()
+    brackets = NOT_BRACKETS.sub("", JSON_STRING.sub("", text))
+    steps = (1 if bracket in "[{" else -1 for bracket in brackets)
+    depth = max(itertools.accumulate(steps), default=0)
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(f"the body nests {depth} levels deep, more than {MAX_JSON_DEPTH}")
+    return json.loads(text)
 
 
 def sampling_params(body: dict, max_model_len: int) -> tuple[SamplingParams, list[str]]:
@@ -248,11 +314,18 @@ def render_chat(messages: object, template: str | None) -> str:
 async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str, chat: bool):
     engine = served.engine
     params, stop = sampling_params(body, engine.config.max_model_len)
-    try:
-        request_id, queue = await served.add(prompt, params)
+    try:  # tokenizing and checking off the engine's thread and the event loop
+        token_ids, params = await asyncio.to_thread(engine.check_request, prompt, params)
     except ValueError as error:
-        raise RequestError(str(error), "messages" if chat else "prompt") from None
-    prompt_tokens = engine.sequence(request_id).num_prompt_tokens
+        param = "n" if str(error).startswith("n (") else "messages" if chat else "prompt"
+        raise RequestError(str(error), param) from None
+    never = engine.never_fits(len(token_ids))
+    if never is not None:
+        raise RequestError(
+            f"this request can never be served: {never}", "messages" if chat else "prompt"
+        )
+    request_id, queue = await served.add(token_ids, params)
+    prompt_tokens = len(token_ids)
     head = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         "created": int(time.time()),

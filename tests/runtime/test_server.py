@@ -14,6 +14,23 @@ from vkv.engine.llm_engine import LLMEngine
 from vkv.server import serve_in_thread
 
 MODEL = "vkv-tiny"
+UNSERVED_COMPLETION_FIELDS = {  # what OpenAI defines and vkv serve does not do: refused by name
+    "logprobs": 2,
+    "echo": True,
+    "best_of": 2,
+    "suffix": "x",
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "logit_bias": {"5": 10},
+    "stream_options": {"include_usage": True},
+    "not_an_openai_field": 1,
+}
+UNSERVED_CHAT_FIELDS = {
+    "logprobs": True,
+    "top_logprobs": 2,
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "response_format": {"type": "json_object"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +139,24 @@ def test_models_health_and_metrics(client, server):
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 100_000}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x" * 1100}, 400, "prompt"),
-        ({"model": MODEL, "prompt": "x", "n": 100}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "n": 100}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 10**9}, 400, "n"),
+        ('{"model": "vkv-tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None),
+        ({"prompt": "x"}, 400, "model"),
+        ({"model": MODEL, "prompt": "x", "stream": "false"}, 400, "stream"),
+        ({"model": MODEL, "prompt": "x", "stream": 1}, 400, "stream"),
+        *[
+            ({"model": MODEL, "prompt": "x", field: value}, 400, field)
+            for field, value in UNSERVED_COMPLETION_FIELDS.items()
+        ],
+        *[
+            (
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], field: value},
+                400,
+                field,
+            )
+            for field, value in UNSERVED_CHAT_FIELDS.items()
+        ],
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),
@@ -143,6 +177,41 @@ def test_bad_input_gets_an_openai_error_and_leaves_the_engine_alone(server, body
     assert idle(engine)
     ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_the_official_client_gets_a_refused_field_by_name(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=2)
+    assert refused.value.body["param"] == "logprobs"
+    assert "`logprobs` is not supported" in refused.value.body["message"]
+
+
+def test_a_temperature_below_the_epsilon_samples_greedily(client):
+    tiny, zero = (
+        client.completions.create(
+            model=MODEL, prompt="import os\n", max_tokens=8, temperature=t
+        ).choices[0]
+        for t in (1e-300, 0)
+    )
+    assert tiny.finish_reason == zero.finish_reason == "length"
+    assert tiny.text == zero.text
+
+
+def test_a_prompt_that_could_never_fit_the_pool_is_refused_up_front():
+    engine = LLMEngine(num_gpu_blocks=4, max_model_len=1024)
+    uv, url = serve_in_thread(engine, MODEL)
+    try:
+        body = {"model": MODEL, "prompt": "x" * 200, "max_tokens": 2}
+        response = httpx.post(f"{url}/v1/completions", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "prompt"
+        assert error["message"].startswith("this request can never be served: its 200 prompt ")
+        assert not engine.has_unfinished_requests()
+        ok = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "x"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        uv.should_exit = True
 
 
 def test_clients_that_leave_mid_stream_hold_no_blocks(server):

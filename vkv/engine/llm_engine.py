@@ -297,6 +297,20 @@ class LLMEngine:
             raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
         return [int(t) for t in prompt], params
 
+    def never_fits(self, num_prompt_tokens: int) -> str | None:
+        """Why a prompt of this many tokens could never be admitted (its blocks leave the
+        watermark of an empty GPU pool: ``BlockManager.can_allocate``'s NEVER), or None. A
+        server refuses such a request up front, as vLLM does; ``LLM.generate`` lets the
+        scheduler finish it as ``ignored``."""
+        manager = self.scheduler.block_manager
+        need = -(-num_prompt_tokens // self.config.block_size)
+        if manager.num_gpu_blocks - need >= manager.watermark_blocks:
+            return None
+        return (
+            f"its {num_prompt_tokens} prompt tokens need {need} blocks; the GPU pool has "
+            f"{manager.num_gpu_blocks} with a watermark of {manager.watermark_blocks}"
+        )
+
     def sequence(self, request_id: int) -> Sequence:
         """The request's (first) sequence: tokens, status and block table, as the scheduler
         sees them."""
