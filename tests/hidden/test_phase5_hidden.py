@@ -14,6 +14,7 @@ import pytest
 from test_seed import seeded
 
 from vkv.engine.scheduler import SchedulerOutput
+from vkv.engine.sequence import SequenceStatus
 from vkv.metrics.registry import (
     FINISH_REASONS,
     LATENCY_BUCKETS,
@@ -23,6 +24,7 @@ from vkv.metrics.registry import (
     length_buckets,
 )
 from vkv.metrics.stats import StatLogger
+from vkv.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 2048
 
@@ -70,15 +72,57 @@ def scheduler(running=0, waiting=0, swapped=0, gpu=0.0, cpu=0.0, queries=0, hits
     )
 
 
-def seq(seq_id, prompt, completion, arrival, group_id=None):
-    """What the logger reads of a sequence."""
-    return SimpleNamespace(
-        seq_id=seq_id,
-        num_prompt_tokens=prompt,
-        num_completion_tokens=completion,
-        arrival_time=arrival,
-        group_id=seq_id if group_id is None else group_id,
+class FakeSequence:
+    """A sequence as the logger sees it, with every public attribute of ``Sequence`` (Phase 1's
+    contract: ``tests/runtime/test_metrics.py`` checks that none is missing), built without
+    Phase 1's code. Reading anything else fails with the list of what a Sequence has."""
+
+    def __init__(self, seq_id, prompt, completion, arrival, group_id=None, block_size=4):
+        self.seq_id = seq_id
+        self.status = SequenceStatus.RUNNING
+        self.token_ids = [7] * prompt + [9] * completion
+        self.num_prompt_tokens = prompt
+        self.num_tokens = prompt + completion
+        self.block_size = block_size
+        self.block_table = list(range(-(-self.num_tokens // block_size)))
+        self.sampling_params = SamplingParams()
+        self.arrival_time = arrival
+        self.num_computed_tokens = self.num_tokens - 1
+        self.is_prefill = completion == 0
+        self.group_id = seq_id if group_id is None else group_id
+        self.block_hashes = []
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    num_completion_tokens = property(lambda self: self.num_tokens - self.num_prompt_tokens)
+    prompt_token_ids = property(lambda self: self.token_ids[: self.num_prompt_tokens])
+    completion_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens :])
+    last_token = property(lambda self: self.token_ids[-1])
+    is_finished = property(lambda self: self.status.is_finished)
+    num_blocks = property(lambda self: -(-self.num_tokens // self.block_size))
+    last_block_num_tokens = property(
+        lambda self: self.num_tokens - (self.num_blocks - 1) * self.block_size
     )
+
+    def block(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.num_tokens += 1
+
+    def __getattr__(self, name: str):
+        public = sorted(n for n in {*vars(self), *vars(type(self))} if not n.startswith("_"))
+        raise AttributeError(
+            f"the logger read seq.{name}, which a Sequence does not have; its public "
+            f"attributes are {', '.join(public)} (vkv/engine/sequence.py)"
+        )
+
+
+def seq(seq_id, prompt, completion, arrival, group_id=None):
+    """A sequence with ``prompt`` prompt tokens and ``completion`` generated ones."""
+    return FakeSequence(seq_id, prompt, completion, arrival, group_id)
 
 
 # --------------------------------------------------------------------------------------------
