@@ -609,7 +609,10 @@ def per_step(counts: dict, n: int = 21) -> list[dict]:
 
 
 def quantile_samples(model: str, p50: float, p99: float) -> dict:
-    return {f'model_name="{model}",quantile="0.5"': p50, f'model_name="{model}",quantile="0.99"': p99}
+    return {
+        f'model_name="{model}",quantile="0.5"': p50,
+        f'model_name="{model}",quantile="0.99"': p99,
+    }
 
 
 def test_part6_the_rules_are_named_and_labelled_by_quantile():
@@ -665,7 +668,9 @@ def test_part6_the_instances_buckets_add_up_before_the_quantile(tmp_path):
         "model's, and without le the buckets are lost): model a p50 0.1, p99 0.99; b 0.75, 0.995"
     )
     checks = [
-        expect(TTFT, "4m", {**quantile_samples("a", 0.1, 0.99), **quantile_samples("b", 0.75, 0.995)})
+        expect(
+            TTFT, "4m", {**quantile_samples("a", 0.1, 0.99), **quantile_samples("b", 0.75, 0.995)}
+        )
     ]
     check_rules(tmp_path, built(latency_quantile_rules, "1m", (0.5, 0.99)), rule, inputs, checks)
 
@@ -685,7 +690,9 @@ def test_part6_only_the_windows_observations_count(tmp_path):
     check_rules(tmp_path, built(latency_quantile_rules, "1m", (0.5, 0.99)), rule, inputs, checks)
     name = "model_name:vkv_time_to_first_token_seconds:quantile_rate5m"
     checks = [expect(name, "5m", quantile_samples("a", 0.5833, 0.9917))]
-    check_rules(tmp_path / "5m", built(latency_quantile_rules, "5m", (0.5, 0.99)), rule, inputs, checks)
+    check_rules(
+        tmp_path / "5m", built(latency_quantile_rules, "5m", (0.5, 0.99)), rule, inputs, checks
+    )
 
 
 @needs_promtool
@@ -708,15 +715,15 @@ def test_part6_a_window_without_observations_has_no_sample(tmp_path):
     idle = dict.fromkeys(busy, 0)
     steps = [busy] * 9 + [idle] * 12  # requests finish until 2m, none after
     inputs = histogram_series("vkv_e2e_request_latency_seconds", steps, model_name="a")
-    inputs += histogram_series(
-        "vkv_e2e_request_latency_seconds", per_step(busy), model_name="b"
-    )
+    inputs += histogram_series("vkv_e2e_request_latency_seconds", per_step(busy), model_name="b")
     rule = (
         "a window in which no request finished has no quantile: no sample (histogram_quantile "
         "of all-zero buckets is NaN, which a panel draws as a gap and an alert cannot compare)"
     )
     checks = [
-        expect(E2E, "1m30s", {**quantile_samples("a", 1.5, 2.48), **quantile_samples("b", 1.5, 2.48)}),
+        expect(
+            E2E, "1m30s", {**quantile_samples("a", 1.5, 2.48), **quantile_samples("b", 1.5, 2.48)}
+        ),
         expect(E2E, "4m", quantile_samples("b", 1.5, 2.48)),
     ]
     check_rules(tmp_path, built(latency_quantile_rules, "1m", (0.5, 0.99)), rule, inputs, checks)
@@ -882,7 +889,11 @@ def test_part8_the_alerts_carry_for_labels_and_annotations():
         ("kv", (0, "5m"), "threshold must lie between 0 and 1, got 0"),
         ("kv", (0.9, "5"), "duration must be a Prometheus duration such as 5m, got '5'"),
         ("storm", (0.0, "2m", "1m"), "per_second must be positive, got 0.0"),
-        ("storm", (1.0, "2 m", "1m"), "duration must be a Prometheus duration such as 5m, got '2 m'"),
+        (
+            "storm",
+            (1.0, "2 m", "1m"),
+            "duration must be a Prometheus duration such as 5m, got '2 m'",
+        ),
     ],
 )
 def test_part8_a_threshold_or_duration_that_cannot_work_is_refused(call, args, message):
@@ -959,7 +970,9 @@ def test_part8_a_preemption_storm_fires_after_its_duration(tmp_path):
         "1000 preemptions long ago are no storm) and fires once it stayed above per_second "
         "(strictly) for the duration: a from 1m, firing from 3m"
     )
-    check_rules(tmp_path, [built(preemption_storm_alert, 1.0, "2m", "1m")], rule, inputs, alerts=alerts)
+    check_rules(
+        tmp_path, [built(preemption_storm_alert, 1.0, "2m", "1m")], rule, inputs, alerts=alerts
+    )
 
 
 @needs_promtool

@@ -149,7 +149,9 @@ def kv_usage_rules(window: str = WINDOW) -> list[dict]:
     rules = []
     for pool in ("gpu", "cpu"):
         gauge = f"vkv_{pool}_cache_usage_perc"
-        rules.append({"record": f"model_name:{gauge}:max", "expr": f"max by (model_name) ({gauge})"})
+        rules.append(
+            {"record": f"model_name:{gauge}:max", "expr": f"max by (model_name) ({gauge})"}
+        )
         rules.append(
             {
                 "record": f"model_name:{gauge}:max_avg_over_time{window}",
@@ -168,7 +170,8 @@ def kv_cache_full_alert(threshold: float = 0.9, duration: str = "5m") -> dict:
     ``model_name:vkv_gpu_cache_usage_perc:max`` of part 5.7) above ``threshold`` (strictly) for
     ``duration``; label ``severity: warning``; annotations, for 0.9 and 5m:
 
-        summary       "KV cache of {{ $labels.model_name }} is {{ $value | humanizePercentage }} full"
+        summary       "KV cache of {{ $labels.model_name }} is
+                      {{ $value | humanizePercentage }} full"   (one line: MODEL, VALUE_PERCENT)
         description   "GPU KV-cache usage above 90% for 5m: new requests wait and running ones
                       are preempted"   (one line; the threshold as a whole percentage)
 
@@ -252,7 +255,9 @@ def rule_groups(parts=tuple(BUILDERS)) -> tuple[dict, list[str]]:
 
 
 def write_rules(path: Path, parts=tuple(BUILDERS)) -> list[str]:
-    """Write the rules file (JSON, which YAML reads as it is) and return the parts left out."""
+    """Write the rules file (JSON, which YAML reads as it is, after a comment line that names
+    the parts left out, if any) and return the parts left out."""
     groups, missing = rule_groups(parts)
-    path.write_text(json.dumps(groups, indent=2) + "\n")
+    note = f"# left out, not written yet: parts {', '.join(missing)}\n" if missing else ""
+    path.write_text(note + json.dumps(groups, indent=2) + "\n")
     return missing

@@ -28,19 +28,19 @@ and the metrics (``EngineMetrics``, ``registry.py``; names without the ``vkv_`` 
                  request_prompt_tokens, request_generation_tokens: the lengths at the finish
 
 Every metric carries the ``model_name`` label. The logger binds it once, when it is made (as
-vLLM's does): ``self.<name>`` is the engine's series of the metric ``<name>`` (``self.prompt_tokens
-.inc(12)``, ``self.time_to_first_token_seconds.observe(0.25)``), and ``self.request_success``
-maps each finish reason to its series (``self.request_success["stop"].inc()``). A step never
-calls ``.labels(...)``: that lookup takes a lock and hashes the labels, once per token. Prefix-cache lookups are counted by the BlockManager
-(``num_query_tokens``, ``num_hit_tokens``, totals so far; 0 without prefix caching): a step adds
-what they grew by. The logger keeps only what it needs per live sequence (the time of its last
-token) and forgets a sequence when it finishes.
+vLLM's does): ``self.<name>`` is the engine's series of the metric ``<name>``
+(``self.prompt_tokens.inc(12)``, ``self.time_to_first_token_seconds.observe(0.25)``), and
+``self.request_success`` maps each finish reason to its series
+(``self.request_success["stop"].inc()``). A step never calls ``.labels(...)``: that lookup takes
+a lock and hashes the labels, once per token. Prefix-cache lookups are counted by the
+BlockManager (``num_query_tokens``, ``num_hit_tokens``, totals so far; 0 without prefix
+caching): a step adds what they grew by. The logger keeps only what it needs per live sequence
+(the time of its last token) and forgets a sequence when it finishes.
 """
 
 from vkv.engine.scheduler import Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence
 from vkv.metrics.registry import FINISH_REASONS, EngineMetrics
-
 
 # The metrics with the model_name label only, bound by StatLogger.__init__ to attributes of the
 # same names.
