@@ -4,8 +4,9 @@ A workload with prefix hits, parallel samples (copies on write) and preemptions 
 official ``openai`` client while Debian's ``prometheus`` scrapes the server every second; every
 panel's query (the recording rules of ``rules.py`` where one exists, which Prometheus loads and
 evaluates every second) must then return a non-empty, finite result, every rule must evaluate
-without an error, and the token counters must equal what the clients were told. Without ``prometheus`` and ``promtool`` on the PATH these tests skip,
-unless ``VKV_REQUIRE_PROMETHEUS=1`` (``.ci/run`` installs them and sets it).
+without an error, and the token counters must equal what the clients were told. Without
+``prometheus`` and ``promtool`` on the PATH these tests skip, unless ``VKV_REQUIRE_PROMETHEUS=1``
+(``.ci/run`` installs them and sets it).
 """
 
 import json

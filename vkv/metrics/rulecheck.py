@@ -5,7 +5,7 @@ expanding notation (``'0+60x20'`` is 0, 60, ..., 1200, one value an ``interval``
 missing sample, ``stale`` ends a series), evaluates the rules every ``evaluation_interval``, and
 compares what an expression returns at a time (``promql_expr_test``) or which alerts fire
 (``alert_rule_test``) with what is expected. It is deterministic: no clock, no scrape. The
-phase's tests and ``vkv monitor check`` use it through ``promtool_test``.
+phase's tests (parts 5.4 to 5.8) use it through ``promtool_test``.
 """
 
 import json
