@@ -8,12 +8,16 @@ cannot pass them. Every test gets its ``rng`` from ``@seeded`` (``test_seed.py``
 values are sums and counts kept here; times are multiples of 1/64 s, so that every sum is exact.
 """
 
+import itertools
+import math
+import os
 from types import SimpleNamespace
 
 import pytest
 from test_seed import seeded
 
 from vkv.engine.scheduler import SchedulerOutput
+from vkv.engine.sequence import SequenceStatus
 from vkv.metrics.registry import (
     FINISH_REASONS,
     LATENCY_BUCKETS,
@@ -22,7 +26,18 @@ from vkv.metrics.registry import (
     EngineMetrics,
     length_buckets,
 )
+from vkv.metrics.rulecheck import promtool, promtool_test
+from vkv.metrics.rules import (
+    RATE_STEMS,
+    hit_ratio_rule,
+    kv_cache_full_alert,
+    kv_usage_rules,
+    latency_quantile_rules,
+    preemption_storm_alert,
+    rate_rules,
+)
 from vkv.metrics.stats import StatLogger
+from vkv.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 2048
 
@@ -70,15 +85,57 @@ def scheduler(running=0, waiting=0, swapped=0, gpu=0.0, cpu=0.0, queries=0, hits
     )
 
 
-def seq(seq_id, prompt, completion, arrival, group_id=None):
-    """What the logger reads of a sequence."""
-    return SimpleNamespace(
-        seq_id=seq_id,
-        num_prompt_tokens=prompt,
-        num_completion_tokens=completion,
-        arrival_time=arrival,
-        group_id=seq_id if group_id is None else group_id,
+class FakeSequence:
+    """A sequence as the logger sees it, with every public attribute of ``Sequence`` (Phase 1's
+    contract: ``tests/runtime/test_metrics.py`` checks that none is missing), built without
+    Phase 1's code. Reading anything else fails with the list of what a Sequence has."""
+
+    def __init__(self, seq_id, prompt, completion, arrival, group_id=None, block_size=4):
+        self.seq_id = seq_id
+        self.status = SequenceStatus.RUNNING
+        self.token_ids = [7] * prompt + [9] * completion
+        self.num_prompt_tokens = prompt
+        self.num_tokens = prompt + completion
+        self.block_size = block_size
+        self.block_table = list(range(-(-self.num_tokens // block_size)))
+        self.sampling_params = SamplingParams()
+        self.arrival_time = arrival
+        self.num_computed_tokens = self.num_tokens - 1
+        self.is_prefill = completion == 0
+        self.group_id = seq_id if group_id is None else group_id
+        self.block_hashes = []
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    num_completion_tokens = property(lambda self: self.num_tokens - self.num_prompt_tokens)
+    prompt_token_ids = property(lambda self: self.token_ids[: self.num_prompt_tokens])
+    completion_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens :])
+    last_token = property(lambda self: self.token_ids[-1])
+    is_finished = property(lambda self: self.status.is_finished)
+    num_blocks = property(lambda self: -(-self.num_tokens // self.block_size))
+    last_block_num_tokens = property(
+        lambda self: self.num_tokens - (self.num_blocks - 1) * self.block_size
     )
+
+    def block(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.num_tokens += 1
+
+    def __getattr__(self, name: str):
+        public = sorted(n for n in {*vars(self), *vars(type(self))} if not n.startswith("_"))
+        raise AttributeError(
+            f"the logger read seq.{name}, which a Sequence does not have; its public "
+            f"attributes are {', '.join(public)} (vkv/engine/sequence.py)"
+        )
+
+
+def seq(seq_id, prompt, completion, arrival, group_id=None):
+    """A sequence with ``prompt`` prompt tokens and ``completion`` generated ones."""
+    return FakeSequence(seq_id, prompt, completion, arrival, group_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,3 +387,249 @@ def test_part3_a_finished_sequence_is_forgotten_and_an_unknown_reason_records_no
         f"a refused reason records nothing (check it before counting): changed {changed[:3]}"
     )
     assert logger.last_token_time == left, "and forgets nothing"
+
+
+# --------------------------------------------------------------------------------------------
+# Parts 5.4 to 5.8: rules on drawn series, against oracles computed here
+# --------------------------------------------------------------------------------------------
+# Series are sampled every 15 s and evaluated at 10m (tick 40); every window ends on a sample
+# and starts on one, so Prometheus's rate is the window's increase divided by its seconds.
+
+TICK, END = 15, 40
+WINDOWS = {"30s": 30, "1m": 60, "2m": 120, "3m": 180, "5m": 300}
+needs_promtool = pytest.mark.skipif(
+    promtool() is None and os.environ.get("VKV_REQUIRE_PROMETHEUS") != "1",
+    reason="promtool is not installed (Debian: apt-get install prometheus)",
+)
+
+
+def _series(name: str, values, **labels) -> dict:
+    body = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{name}{{{body}}}", "values": " ".join(map(str, values))}
+
+
+OFFSET = 3e-8  # off a rounding boundary: a value exactly halfway (2.40625) rounds either way
+
+
+def _round(x: float) -> float:
+    return math.floor((x + OFFSET) * 10000 + 0.5) / 10000
+
+
+def _expect(name: str, samples: dict, time: str = "10m") -> dict:
+    return {
+        "expr": f"round({name} + {OFFSET}, 0.0001)",
+        "eval_time": time,
+        "exp_samples": [{"labels": f"{{{k}}}", "value": _round(v)} for k, v in samples.items()],
+    }
+
+
+def _counter(rng, per_tick: int, restart: bool) -> list[int]:
+    """A counter growing ``per_tick`` a tick, restarted (from 0) at a drawn tick if asked."""
+    reset = rng.randint(END - 8, END - 1) if restart else None
+    values, total = [], 0
+    for t in range(END + 1):
+        total = per_tick if t == reset else (total + per_tick if t else 0)
+        values.append(total)
+    return values
+
+
+def _check(tmp_path, rules, inputs, checks=(), alerts=(), rule=""):
+    group = {"input_series": inputs}
+    if checks:
+        group["promql_expr_test"] = list(checks)
+    if alerts:
+        group["alert_rule_test"] = list(alerts)
+    said = promtool_test(rules, [group], tmp_path)
+    assert said is None, f"{rule}\nyour rules: {rules}\n{said}"
+
+
+@needs_promtool
+@seeded
+def test_part4_drawn_counters_rates_per_model(rng, tmp_path):
+    window = rng.choice(["30s", "1m", "2m", "5m"])
+    inputs, want = [], {stem: {} for stem in RATE_STEMS}
+    for m in range(rng.randint(1, 3)):
+        for i in range(rng.randint(1, 3)):
+            for stem in RATE_STEMS:
+                k = rng.randint(0, 90)
+                values = _counter(rng, k, rng.random() < 0.4)
+                inputs.append(_series(f"vkv_{stem}_total", values, model_name=f"m{m}", instance=i))
+                key = f'model_name="m{m}"'
+                want[stem][key] = want[stem].get(key, 0) + k / TICK
+    checks = [_expect(f"model_name:vkv_{s}:rate{window}", want[s]) for s in RATE_STEMS]
+    rule = f"per second over {window}, summed by model_name, resets are restarts"
+    _check(tmp_path, rate_rules(window), inputs, checks, rule=rule)
+
+
+@needs_promtool
+@seeded
+def test_part5_drawn_lookups_give_one_ratio_per_model(rng, tmp_path):
+    window = rng.choice(["30s", "1m", "2m", "5m"])
+    inputs, hits, queries = [], {}, {}
+    for m in range(rng.randint(2, 4)):
+        idle = m == 0  # model m0 looked nothing up in the window
+        for i in range(rng.randint(1, 3)):
+            q = 0 if idle else rng.randint(1, 80)
+            h = rng.randint(0, q)
+            key = f'model_name="m{m}"'
+            hits[key], queries[key] = hits.get(key, 0) + h, queries.get(key, 0) + q
+            inputs.append(
+                _series(
+                    "vkv_prefix_cache_hits_total",
+                    _counter(rng, h, False),
+                    model_name=f"m{m}",
+                    instance=i,
+                )
+            )
+            inputs.append(
+                _series(
+                    "vkv_prefix_cache_queries_total",
+                    _counter(rng, q, False),
+                    model_name=f"m{m}",
+                    instance=i,
+                )
+            )
+    want = {key: hits[key] / queries[key] for key in hits if queries[key]}
+    name = f"model_name:vkv_prefix_cache_hits_per_queries:ratio_rate{window}"
+    rule = "the ratio of the sums; no sample for a model that looked nothing up"
+    _check(tmp_path, [hit_ratio_rule(window)], inputs, [_expect(name, want)], rule=rule)
+
+
+def _quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus's bucketQuantile on (upper bound, cumulative rate) pairs, +Inf last."""
+    total = buckets[-1][1]
+    rank = q * total
+    b = next(i for i, (_, count) in enumerate(buckets) if count >= rank)
+    if b == len(buckets) - 1:
+        return buckets[-2][0]
+    start, before = (0.0, 0.0) if b == 0 else buckets[b - 1]
+    end, count = buckets[b]
+    return start + (end - start) * ((rank - before) / (count - before))
+
+
+@needs_promtool
+@seeded
+def test_part6_drawn_histograms_quantiles_per_model(rng, tmp_path):
+    window = rng.choice(["1m", "2m", "5m"])
+    seconds, ticks = WINDOWS[window], WINDOWS[window] // TICK
+    bounds = {"time_to_first_token_seconds": [0.05, 0.1, 0.25, 0.5, 1.0]}
+    bounds["e2e_request_latency_seconds"] = [0.5, 1.0, 2.5, 5.0, 10.0]
+    quantiles = tuple(sorted(rng.sample([0.5, 0.75, 0.9, 0.95, 0.99], 2)))
+    inputs, checks = [], []
+    for histogram, finite in bounds.items():
+        want = {}
+        for m in range(rng.randint(1, 3)):
+            summed = [0.0] * (len(finite) + 1)
+            for i in range(rng.randint(1, 2)):
+                per_tick = [rng.randint(0, 4) for _ in range(len(finite) + 1)]
+                per_tick[rng.randrange(len(per_tick) - 1)] += 1  # something finite
+                cumulative = list(itertools.accumulate(per_tick))
+                labels = {"model_name": f"m{m}", "instance": i}
+                for bound, c in zip([*map(str, finite), "+Inf"], cumulative, strict=True):
+                    values = [c * t for t in range(END + 1)]
+                    inputs.append(_series(f"vkv_{histogram}_bucket", values, **labels, le=bound))
+                inputs.append(
+                    _series(
+                        f"vkv_{histogram}_count",
+                        [cumulative[-1] * t for t in range(END + 1)],
+                        **labels,
+                    )
+                )
+                summed = [s + c * ticks / seconds for s, c in zip(summed, cumulative, strict=True)]
+            pairs = list(zip([*finite, math.inf], summed, strict=True))
+            for q in quantiles:
+                want[f'model_name="m{m}",quantile="{q}"'] = _quantile(q, pairs)
+        checks.append(_expect(f"model_name:vkv_{histogram}:quantile_rate{window}", want))
+    rule = f"histogram_quantile of the buckets' rates summed by (model_name, le), over {window}"
+    _check(tmp_path, latency_quantile_rules(window, quantiles), inputs, checks, rule=rule)
+
+
+@needs_promtool
+@seeded
+def test_part7_drawn_gauges_the_fullest_now_and_over_the_window(rng, tmp_path):
+    window = rng.choice(["1m", "2m", "5m"])
+    samples = WINDOWS[window] // TICK + 1
+    inputs, checks = [], []
+    for pool in ("gpu", "cpu"):
+        now, mean = {}, {}
+        for m in range(rng.randint(1, 3)):
+            key = f'model_name="m{m}"'
+            for i in range(rng.randint(1, 3)):
+                values = [rng.randint(0, 16) / 16 for _ in range(END + 1)]
+                inputs.append(
+                    _series(f"vkv_{pool}_cache_usage_perc", values, model_name=f"m{m}", instance=i)
+                )
+                now[key] = max(now.get(key, 0.0), values[-1])
+                mean[key] = max(mean.get(key, 0.0), sum(values[-samples:]) / samples)
+        checks.append(_expect(f"model_name:vkv_{pool}_cache_usage_perc:max", now))
+        checks.append(
+            _expect(f"model_name:vkv_{pool}_cache_usage_perc:max_avg_over_time{window}", mean)
+        )
+    rule = f"the fullest instance now, and the largest of the instances' means over {window}"
+    _check(tmp_path, kv_usage_rules(window), inputs, checks, rule=rule)
+
+
+@needs_promtool
+@seeded
+def test_part8_drawn_thresholds_fire_after_their_duration(rng, tmp_path):
+    threshold = rng.choice([0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9])
+    duration = rng.choice(["1m", "2m", "3m"])
+    wait = WINDOWS[duration] // TICK
+    start = rng.randint(1, 10)  # the tick usage goes above the threshold
+    above = rng.choice([0.96, 0.97, 0.98, 0.99])
+    values = [threshold] * start + [above] * (start + wait + 5)
+    inputs = [_series("model_name:vkv_gpu_cache_usage_perc:max", values, model_name="a")]
+    fires = (start + wait) * TICK
+    labels = {"model_name": "a", "severity": "warning"}
+    annotations = {
+        "summary": f"KV cache of a is {round(above * 100)}% full",
+        "description": f"GPU KV-cache usage above {round(threshold * 100)}% for {duration}: "
+        "new requests wait and running ones are preempted",
+    }
+    alerts = [
+        {"alertname": "VkvKVCacheNearlyFull", "eval_time": f"{fires - TICK}s", "exp_alerts": []},
+        {
+            "alertname": "VkvKVCacheNearlyFull",
+            "eval_time": f"{fires}s",
+            "exp_alerts": [{"exp_labels": labels, "exp_annotations": annotations}],
+        },
+    ]
+    rule = (
+        f"above {threshold} from {start * TICK}s for {duration}: firing from {fires}s, not before"
+    )
+    _check(tmp_path, [kv_cache_full_alert(threshold, duration)], inputs, alerts=alerts, rule=rule)
+
+
+@needs_promtool
+@seeded
+def test_part8_drawn_storms_fire_after_their_duration(rng, tmp_path):
+    per_second = rng.choice([0.5, 1.0, 2.0])
+    duration, window = rng.choice(["1m", "2m", "3m"]), rng.choice(["1m", "5m"])
+    wait = WINDOWS[duration] // TICK
+    start = rng.randint(1, 10)
+    value = per_second + rng.choice([0.5, 1.0, 1.5])
+    values = [per_second] * start + [value] * (start + wait + 5)
+    inputs = [_series(f"model_name:vkv_num_preemptions:rate{window}", values, model_name="a")]
+    fires = (start + wait) * TICK
+    labels = {"model_name": "a", "severity": "critical"}
+    annotations = {
+        "summary": f"a preempts {value:g} sequences a second",
+        "description": f"more than {per_second:g} preemptions a second for {duration}: "
+        "the KV cache is too small for the load",
+    }
+    alerts = [
+        {"alertname": "VkvPreemptionStorm", "eval_time": f"{fires - TICK}s", "exp_alerts": []},
+        {
+            "alertname": "VkvPreemptionStorm",
+            "eval_time": f"{fires}s",
+            "exp_alerts": [{"exp_labels": labels, "exp_annotations": annotations}],
+        },
+    ]
+    rule = f"above {per_second}/s from {start * TICK}s for {duration}: firing from {fires}s"
+    _check(
+        tmp_path,
+        [preemption_storm_alert(per_second, duration, window)],
+        inputs,
+        alerts=alerts,
+        rule=rule,
+    )

@@ -85,6 +85,7 @@ def test_the_reference_solution_passes_against_the_edition(path):
         ("name = '_sys'\nreturn name", "a string that names a private attribute"),
         ("text = '{0.args[0]}'\nreturn text", "a format field with an attribute or an index"),
         ("return f'block {self.num_blocks}: {len(self.blocks)!r:>4}'", None),
+        ("return f'vkv_{self.seq_id}_cache_usage_perc'", None),  # a piece names nothing
         # syntax: the reference's kinds, and the few listed additions
         ("class Anything:\n    pass", "a class definition is not allowed"),
         ("global Block", "a global declaration is not allowed"),

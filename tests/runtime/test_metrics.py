@@ -1,14 +1,18 @@
 """The engine's metrics on a scripted workload: counters equal what the client saw, and the
 exposition passes ``promtool check metrics`` (Debian's prometheus; ``.ci/run`` installs it)."""
 
+import importlib.util
 import shutil
 import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 
 from vkv import LLM, SamplingParams
+from vkv.engine.sequence import Sequence
 
 PROMPTS = ["def read(path):\n", "class Stack:\n", "import os\n"] * 3
 
@@ -72,3 +76,33 @@ def test_the_exposition_passes_promtool(served):
     text = generate_latest(engine.metrics.registry)
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
     assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+
+
+def _test_module(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+@pytest.mark.parametrize("path", ["test_phase5.py", "hidden/test_phase5_hidden.py"])
+def test_phase5s_fake_sequence_has_every_public_attribute_of_a_sequence(path):
+    """A correct logger may read any public attribute of a Sequence: the graded tests' fake
+    carries them all (with the values a real sequence would have), or correct code fails."""
+    module = _test_module(Path(__file__).parents[1] / path)
+    real = Sequence(3, [5, 6, 7, 8, 9], 4, arrival_time=100.0)
+    real.append_token(11)
+    fake = module.FakeSequence(3, 5, 1, 100.0)
+    public = sorted(name for name in dir(real) if not name.startswith("_"))
+    missing = [name for name in public if not hasattr(fake, name)]
+    assert not missing, f"the fake sequence of {path} lacks {missing}"
+    values = ("num_prompt_tokens", "num_tokens", "num_completion_tokens", "num_blocks", "seq_id")
+    values += ("last_block_num_tokens", "arrival_time", "group_id", "block_size")
+    assert {n: getattr(fake, n) for n in values} == {n: getattr(real, n) for n in values}
+    assert len(fake) == len(real) and len(fake.prompt_token_ids) == len(real.prompt_token_ids)
+    with pytest.raises(AttributeError, match=r"read seq\.prompt_len, which a Sequence does not"):
+        _ = fake.prompt_len

@@ -2,9 +2,11 @@
 
 A workload with prefix hits, parallel samples (copies on write) and preemptions runs through the
 official ``openai`` client while Debian's ``prometheus`` scrapes the server every second; every
-panel's query must then return a non-empty, finite result, and the token counters must equal
-what the clients were told. Without ``prometheus`` and ``promtool`` on the PATH these tests skip,
-unless ``VKV_REQUIRE_PROMETHEUS=1`` (``.ci/run`` installs them and sets it).
+panel's query (the recording rules of ``rules.py`` where one exists, which Prometheus loads and
+evaluates every second) must then return a non-empty, finite result, every rule must evaluate
+without an error, and the token counters must equal what the clients were told. Without
+``prometheus`` and ``promtool`` on the PATH these tests skip, unless ``VKV_REQUIRE_PROMETHEUS=1``
+(``.ci/run`` installs them and sets it).
 """
 
 import json
@@ -27,6 +29,7 @@ from vkv.metrics.dashboard import (
     start_prometheus,
     write_monitoring,
 )
+from vkv.metrics.rules import rule_groups
 from vkv.server import free_port, serve_in_thread
 
 MODEL = "vkv-tiny"
@@ -45,8 +48,12 @@ def test_monitor_init_writes_a_dashboard_provisioning_and_configs(tmp_path):
         "grafana/provisioning/dashboards/vkv.yaml",
         "prometheus.yml",
         "compose.yaml",
+        "rules.yml",
     }
-    assert "host.docker.internal:8123" in (tmp_path / "prometheus.yml").read_text()
+    config = (tmp_path / "prometheus.yml").read_text()
+    assert "host.docker.internal:8123" in config and "rules.yml" in config
+    rules = json.loads((tmp_path / "rules.yml").read_text())
+    assert rules == rule_groups()[0], "the rules of every part, the reference's all written"
     board = json.loads((tmp_path / "grafana/dashboards/vkv.json").read_text())
     assert board["uid"] == "vkv-serve" and len(board["panels"]) == len(PANELS)
 
@@ -69,15 +76,32 @@ def test_the_panels_have_unique_ids_and_do_not_overlap():
     assert all(len(r) == len(set(r)) for r in refs)
 
 
-def test_every_metric_a_panel_uses_is_exported():
+def test_every_metric_a_panel_uses_is_exported_or_recorded():
     engine_metrics = LLMEngine(num_gpu_blocks=8).metrics
     names = {m.name for m in engine_metrics.registry.collect()}
+    recorded = {r["record"] for r in rule_groups()[0]["groups"][0]["rules"] if "record" in r}
+    reads_a_rule = 0
     for title, (_, queries) in PANELS.items():
         for expr, _ in queries:
             used = {w for w in expr.replace("(", " ").replace("{", " ").split() if "vkv_" in w}
             for word in used:
+                if ":" in word:
+                    assert word in recorded, f"{title}: {word} is not recorded by rules.py"
+                    reads_a_rule += 1
+                    continue
                 stem = word.removesuffix("_total").removesuffix("_bucket")
                 assert stem in names, f"{title}: {word} is not exported"
+    assert reads_a_rule >= 9, "the panels read the recording rules where one exists"
+
+
+@needs_prometheus
+def test_promtool_accepts_the_rules_file(tmp_path):
+    write_monitoring(tmp_path)
+    check = subprocess.run(
+        ["promtool", "check", "rules", str(tmp_path / "rules.yml")], capture_output=True
+    )
+    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+    assert b"SUCCESS" in check.stdout
 
 
 @needs_prometheus
@@ -146,6 +170,11 @@ def test_every_panel_returns_data_from_prometheus_scraping_vkv_serve(tmp_path):
         assert engine.scheduler.num_preemptions > 0, "the workload is meant to preempt"
         hits = query(prometheus, "vkv_prefix_cache_hits_total")
         assert float(hits[0]["value"][1]) > 0, "and to hit the prefix cache"
+        groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        loaded = [rule for group in groups for rule in group["rules"]]
+        assert len(loaded) == len(rule_groups()[0]["groups"][0]["rules"]), "every rule loaded"
+        unhealthy = [(r["name"], r.get("lastError")) for r in loaded if r["health"] != "ok"]
+        assert not unhealthy, f"rules that failed to evaluate: {unhealthy}"
         for title, (_, queries) in PANELS.items():
             for expr, _ in queries:
                 result = query(prometheus, concrete(expr))

@@ -303,7 +303,8 @@ class RegionCheck:
             name = node.arg
             return f"the dunder name {name}" if name and DUNDER.fullmatch(name) else None
         if isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
-            return _string_rule(node.value)
+            # A piece of an f-string ("_total" in f"vkv_{stem}_total") names nothing by itself.
+            return _string_rule(node.value, isinstance(self.parents.get(node), ast.JoinedStr))
         return None
 
     def _function_rule(self, node: ast.FunctionDef | ast.Lambda) -> str | None:
@@ -411,11 +412,11 @@ class RegionCheck:
         return values
 
 
-def _string_rule(value: str | bytes) -> str | None:
+def _string_rule(value: str | bytes, piece: bool = False) -> str | None:
     text = value if isinstance(value, str) else value.decode("latin-1")
     if DUNDER.search(text):
         return "a dunder name in a string"
-    if PRIVATE_IDENTIFIER.fullmatch(text) and text != "_":
+    if PRIVATE_IDENTIFIER.fullmatch(text) and text != "_" and not piece:
         return "a string that names a private attribute"
     if FORMAT_FIELD_WITH_ACCESS.search(text):
         return "a format field with an attribute or an index in a string"

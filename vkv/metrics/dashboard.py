@@ -6,7 +6,12 @@ token, scheduler state, KV-cache usage, finish reasons, request lengths) and wha
 the prefix-cache hit rate, preemptions and swaps per second, KV usage per pool, KV bytes per token
 by cache format, and copy-on-write copies. Every query filters on the ``model_name`` variable.
 ``PANELS`` lists each panel's queries; the tests run every one of them against a real Prometheus
-that scraped a real server.
+that scraped a real server and evaluated the rules.
+
+Where a recording rule of ``rules.py`` (Phase 5, parts 5.4 to 5.7) computes a panel's query, the
+panel reads the recorded series (``model_name:vkv_generation_tokens:rate1m``): Prometheus
+computes it once per evaluation for every viewer, and the alerts read the same series. Those
+windows are the rules' (``rules.WINDOW``); the other panels rate over ``$__rate_interval``.
 """
 
 import json
@@ -16,6 +21,9 @@ from pathlib import Path
 from grafana_foundation_sdk.builders import dashboard, prometheus, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
+
+from vkv.metrics.rules import WINDOW as RULE_WINDOW
+from vkv.metrics.rules import write_rules
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="prometheus")
 WINDOW = "$__rate_interval"
@@ -33,17 +41,31 @@ def quantiles(metric: str, qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
     return [(f"histogram_quantile({q}, {expr})", f"p{round(q * 100)}") for q in qs]
 
 
+def recorded(name: str, **labels: str) -> str:
+    """A series recorded by a rule of ``rules.py`` (``RULE_WINDOW``), for the selected models."""
+    extra = "".join(f', {key}="{value}"' for key, value in labels.items())
+    return f"{name}{{{M}{extra}}}"
+
+
+def recorded_quantiles(histogram: str) -> list[tuple[str, str]]:
+    name = f"model_name:{histogram}:quantile_rate{RULE_WINDOW}"
+    return [(recorded(name, quantile=q), f"p{round(float(q) * 100)}") for q in ("0.5", "0.99")]
+
+
 # title -> (unit, [(PromQL, legend), ...])
 PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
-    "End-to-end request latency": ("s", quantiles("vkv_e2e_request_latency_seconds")),
+    "End-to-end request latency": ("s", recorded_quantiles("vkv_e2e_request_latency_seconds")),
     "Token throughput": (
         "tps",
         [
-            (f"rate(vkv_prompt_tokens_total{{{M}}}[{WINDOW}])", "prompt tokens/s"),
-            (f"rate(vkv_generation_tokens_total{{{M}}}[{WINDOW}])", "generation tokens/s"),
+            (recorded(f"model_name:vkv_prompt_tokens:rate{RULE_WINDOW}"), "prompt tokens/s"),
+            (
+                recorded(f"model_name:vkv_generation_tokens:rate{RULE_WINDOW}"),
+                "generation tokens/s",
+            ),
         ],
     ),
-    "Time to first token": ("s", quantiles("vkv_time_to_first_token_seconds")),
+    "Time to first token": ("s", recorded_quantiles("vkv_time_to_first_token_seconds")),
     "Time per output token": ("s", quantiles("vkv_time_per_output_token_seconds")),
     "Scheduler state": (
         "short",
@@ -52,16 +74,15 @@ PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "KV-cache usage per pool": (
         "percentunit",
         [
-            (f"vkv_gpu_cache_usage_perc{{{M}}}", "GPU pool"),
-            (f"vkv_cpu_cache_usage_perc{{{M}}}", "CPU (swap) pool"),
+            (recorded("model_name:vkv_gpu_cache_usage_perc:max"), "GPU pool (fullest instance)"),
+            (recorded("model_name:vkv_cpu_cache_usage_perc:max"), "CPU (swap) pool"),
         ],
     ),
     "Prefix-cache hit rate": (
         "percentunit",
         [
             (
-                f"rate(vkv_prefix_cache_hits_total{{{M}}}[{WINDOW}]) / "
-                f"rate(vkv_prefix_cache_queries_total{{{M}}}[{WINDOW}])",
+                recorded(f"model_name:vkv_prefix_cache_hits_per_queries:ratio_rate{RULE_WINDOW}"),
                 "hit tokens / queried tokens",
             )
         ],
@@ -69,7 +90,7 @@ PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "Preemptions and swaps per second": (
         "ops",
         [
-            (f"rate(vkv_num_preemptions_total{{{M}}}[{WINDOW}])", "preemptions"),
+            (recorded(f"model_name:vkv_num_preemptions:rate{RULE_WINDOW}"), "preemptions"),
             (f"rate(vkv_blocks_swapped_out_total{{{M}}}[{WINDOW}])", "blocks swapped out"),
             (f"rate(vkv_blocks_swapped_in_total{{{M}}}[{WINDOW}])", "blocks swapped in"),
         ],
@@ -145,10 +166,13 @@ def build_dashboard() -> dict:
 
 
 PROMETHEUS_CONFIG = """\
-# Prometheus scrapes vkv serve every 5 s (vLLM's example uses the same interval).
+# Prometheus scrapes vkv serve every 5 s (vLLM's example uses the same interval) and evaluates
+# the recording and alerting rules of rules.yml (vkv/metrics/rules.py; a path relative to this
+# file) every 15 s.
 global:
   scrape_interval: 5s
-  evaluation_interval: 30s
+  evaluation_interval: 15s
+rule_files: [{rules}]
 scrape_configs:
   - job_name: vkv
     static_configs:
@@ -182,7 +206,9 @@ COMPOSE_YAML = """\
 services:
   prometheus:
     image: prom/prometheus:v2.53.0
-    volumes: ["./prometheus.yml:/etc/prometheus/prometheus.yml:ro"]
+    volumes:
+      - ./prometheus.yml:/etc/prometheus/prometheus.yml:ro
+      - ./rules.yml:/etc/prometheus/rules.yml:ro
     ports: ["9090:9090"]
     extra_hosts: ["host.docker.internal:host-gateway"]
   grafana:
@@ -199,16 +225,22 @@ services:
 
 
 def write_monitoring(folder: Path, port: int = 8000) -> list[Path]:
-    """Write the dashboard, Grafana's provisioning, a Prometheus config that scrapes vkv serve on
-    the host's ``port``, and a ``compose.yaml`` that starts both; return the files."""
+    """Write the dashboard, Grafana's provisioning, the rules (``rules.yml``: those of the parts
+    written so far; a part still to write is named in the file's first line and its panels stay
+    empty), a Prometheus config that loads them and scrapes vkv serve on the host's ``port``,
+    and a ``compose.yaml`` that starts both; return the files."""
     files = {
         "grafana/dashboards/vkv.json": json.dumps(build_dashboard(), indent=2) + "\n",
         "grafana/provisioning/datasources/prometheus.yaml": DATASOURCE_YAML,
         "grafana/provisioning/dashboards/vkv.yaml": PROVIDER_YAML,
-        "prometheus.yml": PROMETHEUS_CONFIG.format(target=f"host.docker.internal:{port}"),
+        "prometheus.yml": PROMETHEUS_CONFIG.format(
+            target=f"host.docker.internal:{port}", rules="rules.yml"
+        ),
         "compose.yaml": COMPOSE_YAML.format(port=port),
     }
-    written = []
+    folder.mkdir(parents=True, exist_ok=True)
+    write_rules(folder / "rules.yml")
+    written = [folder / "rules.yml"]
     for name, text in files.items():
         path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,11 +250,15 @@ def write_monitoring(folder: Path, port: int = 8000) -> list[Path]:
 
 
 def start_prometheus(target: str, folder: Path, port: int) -> tuple[subprocess.Popen, str]:
-    """Debian's ``prometheus`` on 127.0.0.1:``port``, scraping ``target`` (host:port) every
-    second, its data in ``folder`` (checks and pictures; ``terminate()`` the process)."""
+    """Debian's ``prometheus`` on 127.0.0.1:``port``, scraping ``target`` (host:port) and
+    evaluating the rules of ``rules.py`` every second, its data in ``folder`` (checks and
+    pictures; ``terminate()`` the process)."""
     config = folder / "prometheus.yml"
+    write_rules(folder / "rules.yml")
     config.write_text(
-        "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: vkv\n"
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{folder / 'rules.yml'}']\n"
+        "scrape_configs:\n  - job_name: vkv\n"
         f"    static_configs: [{{targets: ['{target}']}}]\n"
     )
     process = subprocess.Popen(

@@ -27,17 +27,31 @@ and the metrics (``EngineMetrics``, ``registry.py``; names without the ``vkv_`` 
                  e2e_request_latency_seconds: finish - arrival
                  request_prompt_tokens, request_generation_tokens: the lengths at the finish
 
-Every metric carries the ``model_name`` label: ``metrics.<name>.labels(model_name=...)``; use
-``self.labels`` (a dict), and ``self.metrics.request_success.labels(**self.labels,
-finished_reason=reason)``. Prefix-cache lookups are counted by the BlockManager
-(``num_query_tokens``, ``num_hit_tokens``, totals so far; 0 without prefix caching): a step adds
-what they grew by. The logger keeps only what it needs per live sequence (the time of its last
-token) and forgets a sequence when it finishes.
+Every metric carries the ``model_name`` label. The logger binds it once, when it is made (as
+vLLM's does): ``self.<name>`` is the engine's series of the metric ``<name>``
+(``self.prompt_tokens.inc(12)``, ``self.time_to_first_token_seconds.observe(0.25)``), and
+``self.request_success`` maps each finish reason to its series
+(``self.request_success["stop"].inc()``). A step never calls ``.labels(...)``: that lookup takes
+a lock and hashes the labels, once per token. Prefix-cache lookups are counted by the
+BlockManager (``num_query_tokens``, ``num_hit_tokens``, totals so far; 0 without prefix
+caching): a step adds what they grew by. The logger keeps only what it needs per live sequence
+(the time of its last token) and forgets a sequence when it finishes.
 """
 
 from vkv.engine.scheduler import Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence
 from vkv.metrics.registry import FINISH_REASONS, EngineMetrics
+
+# The metrics with the model_name label only, bound by StatLogger.__init__ to attributes of the
+# same names.
+BOUND = (
+    "num_requests_running", "num_requests_waiting", "num_requests_swapped",
+    "gpu_cache_usage_perc", "cpu_cache_usage_perc", "num_preemptions", "blocks_swapped_out",
+    "blocks_swapped_in", "cow_copies", "prefix_cache_queries", "prefix_cache_hits",
+    "prompt_tokens", "generation_tokens", "time_to_first_token_seconds",
+    "time_per_output_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+    "request_generation_tokens",
+)  # fmt: skip
 
 
 class StatLogger:
@@ -46,6 +60,15 @@ class StatLogger:
     def __init__(self, metrics: EngineMetrics) -> None:
         self.metrics = metrics
         self.labels = {"model_name": metrics.model_name}
+        # Each metric's series for this engine, bound once here (vLLM's PrometheusStatLogger
+        # binds its labels in its constructor too): ``metric.labels(...)`` looks the child up
+        # under a lock, and a step would otherwise pay it for every token.
+        for name in BOUND:
+            setattr(self, name, getattr(metrics, name).labels(**self.labels))
+        self.request_success = {
+            reason: metrics.request_success.labels(**self.labels, finished_reason=reason)
+            for reason in FINISH_REASONS
+        }
         self.last_token_time: dict[int, float] = {}  # seq id -> when it gained its last token
         self.query_tokens_seen = 0  # the BlockManager's prefix-cache totals already counted
         self.hit_tokens_seen = 0
@@ -58,21 +81,18 @@ class StatLogger:
         one copy per destination in ``out.blocks_to_copy``, and the growth of the block
         manager's ``num_query_tokens`` and ``num_hit_tokens`` since the last step."""
         ### BEGIN SOLUTION part5.1
-        m, labels = self.metrics, self.labels
-        m.num_requests_running.labels(**labels).set(len(scheduler.running))
-        m.num_requests_waiting.labels(**labels).set(len(scheduler.waiting))
-        m.num_requests_swapped.labels(**labels).set(len(scheduler.swapped))
+        self.num_requests_running.set(len(scheduler.running))
+        self.num_requests_waiting.set(len(scheduler.waiting))
+        self.num_requests_swapped.set(len(scheduler.swapped))
         manager = scheduler.block_manager
-        m.gpu_cache_usage_perc.labels(**labels).set(manager.gpu_usage)
-        m.cpu_cache_usage_perc.labels(**labels).set(manager.cpu_usage)
-        m.num_preemptions.labels(**labels).inc(len(out.preempted))
-        m.blocks_swapped_out.labels(**labels).inc(len(out.blocks_to_swap_out))
-        m.blocks_swapped_in.labels(**labels).inc(len(out.blocks_to_swap_in))
-        m.cow_copies.labels(**labels).inc(sum(len(dsts) for dsts in out.blocks_to_copy.values()))
-        m.prefix_cache_queries.labels(**labels).inc(
-            manager.num_query_tokens - self.query_tokens_seen
-        )
-        m.prefix_cache_hits.labels(**labels).inc(manager.num_hit_tokens - self.hit_tokens_seen)
+        self.gpu_cache_usage_perc.set(manager.gpu_usage)
+        self.cpu_cache_usage_perc.set(manager.cpu_usage)
+        self.num_preemptions.inc(len(out.preempted))
+        self.blocks_swapped_out.inc(len(out.blocks_to_swap_out))
+        self.blocks_swapped_in.inc(len(out.blocks_to_swap_in))
+        self.cow_copies.inc(sum(len(dsts) for dsts in out.blocks_to_copy.values()))
+        self.prefix_cache_queries.inc(manager.num_query_tokens - self.query_tokens_seen)
+        self.prefix_cache_hits.inc(manager.num_hit_tokens - self.hit_tokens_seen)
         self.query_tokens_seen = manager.num_query_tokens
         self.hit_tokens_seen = manager.num_hit_tokens
         ### END SOLUTION
@@ -85,16 +105,14 @@ class StatLogger:
         request's other samples: ``seq.group_id != seq.seq_id``); a later one observes the time
         since the sequence's previous token."""
         ### BEGIN SOLUTION part5.2
-        m, labels = self.metrics, self.labels
-        m.generation_tokens.labels(**labels).inc(len(seqs))
-        time_per_output_token = m.time_per_output_token_seconds.labels(**labels)
+        self.generation_tokens.inc(len(seqs))
         for seq in seqs:
             if seq.num_completion_tokens == 1:
-                m.time_to_first_token_seconds.labels(**labels).observe(now - seq.arrival_time)
+                self.time_to_first_token_seconds.observe(now - seq.arrival_time)
                 if seq.group_id == seq.seq_id:
-                    m.prompt_tokens.labels(**labels).inc(seq.num_prompt_tokens)
+                    self.prompt_tokens.inc(seq.num_prompt_tokens)
             else:
-                time_per_output_token.observe(now - self.last_token_time[seq.seq_id])
+                self.time_per_output_token_seconds.observe(now - self.last_token_time[seq.seq_id])
             self.last_token_time[seq.seq_id] = now
         ### END SOLUTION
 
@@ -108,10 +126,9 @@ class StatLogger:
         ### BEGIN SOLUTION part5.3
         if reason not in FINISH_REASONS:
             raise ValueError(f"unknown finish reason {reason!r}")
-        m, labels = self.metrics, self.labels
-        m.request_success.labels(**labels, finished_reason=reason).inc()
-        m.e2e_request_latency_seconds.labels(**labels).observe(now - seq.arrival_time)
-        m.request_prompt_tokens.labels(**labels).observe(seq.num_prompt_tokens)
-        m.request_generation_tokens.labels(**labels).observe(seq.num_completion_tokens)
+        self.request_success[reason].inc()
+        self.e2e_request_latency_seconds.observe(now - seq.arrival_time)
+        self.request_prompt_tokens.observe(seq.num_prompt_tokens)
+        self.request_generation_tokens.observe(seq.num_completion_tokens)
         self.last_token_time.pop(seq.seq_id, None)
         ### END SOLUTION
