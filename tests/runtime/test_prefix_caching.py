@@ -184,7 +184,7 @@ def test_a_forked_child_locks_the_parents_cached_path():
 
 def test_a_hash_collision_is_a_miss():
     m = manager()
-    m.tree.hash_function = lambda parent, tokens: 0
+    m.hash_function = lambda parent, tokens: 0
     finish(m, computed(m, 0, prompt(9, 100)))
     other = Sequence(1, prompt(9, 200), BS)
     assert m.num_cached_tokens(other) == 0
@@ -201,7 +201,7 @@ def snapshot(m: PrefixCachingBlockManager) -> tuple:
 
 def test_blocks_shared_with_a_fork_that_locks_no_path_to_them_are_not_cached():
     m = manager()
-    m.tree.hash_function = lambda parent, tokens: 0  # every block collides
+    m.hash_function = lambda parent, tokens: 0  # every block collides
     finish(m, computed(m, 0, prompt(9, 100)))  # cached under hash 0
     parent = computed(m, 1, prompt(9, 200))
     child = Sequence(2, parent.token_ids, BS)
