@@ -1152,10 +1152,15 @@ def test_part5_merge_computed_leaves_a_prefill_that_filled_no_new_block():
     node = m._locked[0]
     a.num_computed_tokens = 7  # still one full block
     m._merge_computed()
+    clock = m.tree._clock
     assert m._locked[0] is node and m.tree.total_size == 1 and 0 in m._unmerged, (
         "7 computed tokens fill no block more than the 4 merged: nothing to merge yet"
     )
     assert calls == [], f"and nothing is hashed: {calls}"
+    m._merge_computed()
+    assert m.tree._clock == clock, (
+        "nothing to merge, so the tree is not even looked at (a merge stamps its path as used)"
+    )
 
 
 def test_part5_merge_computed_merges_a_finished_prefill_and_forgets_it():
@@ -1254,6 +1259,9 @@ def test_part5_a_hash_collision_is_not_a_duplicate():
     prefilled(a)
     m._merge(a)
     assert a.block_table == own, "same hash, other tokens: a miss, a keeps its own blocks"
+    assert m._num_cached[0] == 0, (
+        f"_num_cached counts the table's blocks that are the tree's: none, got {m._num_cached[0]}"
+    )
     check_prefix_cache(m, [a])
 
 
@@ -1440,6 +1448,17 @@ def test_part7_never_still_compares_the_whole_prompt_with_the_pool():
     )
 
 
+def test_part7_never_holds_even_when_cached_blocks_in_use_lower_the_need():
+    m = new_manager(num_gpu_blocks=4)
+    seed_cache(m, prompt(12))
+    allocated(m, 0, [*prompt(12), 5])  # holds the 3 cached blocks
+    longer = Sequence(1, [*prompt(16), 1], BS)  # 5 blocks, 3 of them cached and in use
+    assert m.can_allocate(longer) is AllocStatus.NEVER, (
+        "5 blocks never fit a pool of 4 (a sequence holds all its blocks at once): NEVER, "
+        "though its need now is only 2"
+    )
+
+
 def test_part7_a_refused_allocate_changes_nothing():
     m = new_manager(num_gpu_blocks=3)
     seed_cache(m, prompt(9))
@@ -1453,13 +1472,16 @@ def test_part7_a_refused_allocate_changes_nothing():
 
 def test_part7_phase1s_errors_come_first():
     m = new_manager()
+    seed_cache(m, prompt(12))
     seq = allocated(m, 1, prompt(5))
-    before = manager_snapshot(m)
+    before = (manager_snapshot(m), m.tree._clock)
     with pytest.raises(ValueError, match="has its blocks on the gpu; this operation needs no"):
         m.allocate(seq)
     with pytest.raises(ValueError, match="block size"):
-        m.allocate(Sequence(2, prompt(5), BS + 1))
-    assert manager_snapshot(m) == before
+        m.allocate(Sequence(2, prompt(12), BS + 1))
+    assert (manager_snapshot(m), m.tree._clock) == before, (
+        "Phase 1's checks come before the tree is looked at: a refused call touches nothing"
+    )
 
 
 def test_part7_the_hit_stats_count_a_first_admission():
@@ -1596,8 +1618,8 @@ def test_part8_a_forked_child_locks_the_parents_cached_path():
 
 def test_part8_a_refused_fork_changes_nothing():
     m = new_manager()
-    parent = prefilled(allocated(m, 0, prompt(10)))
     other = allocated(m, 1, prompt(3, 300))
+    parent = prefilled(allocated(m, 0, prompt(10)))  # not merged yet
     before = manager_snapshot(m)
     with pytest.raises(ValueError, match="has its blocks on the gpu; this operation needs no"):
         m.fork(parent, other)
@@ -1617,6 +1639,21 @@ def test_part8_blocks_shared_with_a_fork_that_locks_no_path_are_cached_by_the_la
     check_prefix_cache(m, [child])
     finish(m, child)  # the last holder: now they are
     assert m.num_cached_tokens(Sequence(3, prompt(9, 200), BS)) == 8
+    check_prefix_cache(m, [])
+
+
+def test_part8_a_swapped_out_sequence_is_freed_as_phase_1_frees_it():
+    m = new_manager()
+    a = prefilled(allocated(m, 0, prompt(9)))
+    m._release(a)  # what swap_out does first (part 4.9), then Phase 1's swap_out
+    BlockManager.swap_out(m, [a])
+    before = (m.tree.total_size, m.num_free_gpu_blocks)
+    finish(m, a)
+    assert (m.tree.total_size, m.num_free_gpu_blocks) == before, (
+        "a sequence on the CPU has no GPU blocks to offer the tree: its CPU blocks are freed "
+        "and nothing is cached"
+    )
+    assert m.num_free_cpu_blocks == 16 and m.device_of(a) is None
     check_prefix_cache(m, [])
 
 
@@ -1727,6 +1764,21 @@ def test_part9_identical_prompts_admitted_together_share_from_their_first_decode
     m.append_slot(b)
     assert b.block_table[:2] == a.block_table[:2], "b switched to the tree's (a's) blocks"
     assert m.num_free_gpu_blocks == free_before + 2, "b's two duplicates are freed"
+    check_prefix_cache(m, [a, b])
+
+
+def test_part9_the_first_decode_merges_before_it_makes_room():
+    m = new_manager(num_gpu_blocks=6)
+    seed_cache(m, prompt(4, 300))
+    kept = seed_cache(m, prompt(4, 400))
+    a, b = allocated(m, 0, prompt(8)), allocated(m, 1, prompt(8))  # the free list is empty
+    prefilled(a), prefilled(b)
+    m.append_slot(a)  # a's 9th token needs a block: the older cached prefix goes
+    m.append_slot(b)  # b's merge frees its two duplicates first: no eviction is needed
+    assert set(kept) <= set(tree_blocks(m)), (
+        "b's merge frees its duplicates before room is made for its new block: the cached "
+        f"prefix {kept} must not be evicted for it"
+    )
     check_prefix_cache(m, [a, b])
 
 
