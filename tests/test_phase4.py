@@ -1098,8 +1098,7 @@ def test_part5_only_computed_blocks_are_cached():
 
 def test_part5_the_merge_records_the_path_and_locks_its_end():
     m = new_manager()
-    a = placed(m, 0, prompt(10))
-    a.num_computed_tokens = 10
+    a = prefilled(placed(m, 0, prompt(10)))
     m._merge(a)
     node = m._locked[0]
     assert node.blocks == a.block_table[:2], "the sequence locks the node its cached path ends at"
@@ -1107,7 +1106,7 @@ def test_part5_the_merge_records_the_path_and_locks_its_end():
         f"lock_ref {node.lock_ref}, protected_size {m.tree.protected_size}: the path is locked"
     )
     assert m._num_cached[0] == 2, "_num_cached: its two leading blocks are the tree's"
-    assert 0 not in m._unmerged, "a prefill done (every token but the newest computed) is merged"
+    assert 0 not in m._unmerged, "a prefill done (is_prefill False) is merged and forgotten"
 
 
 def test_part5_a_duplicate_switches_to_the_tree_block_and_is_freed():
@@ -1165,15 +1164,31 @@ def test_part5_merge_computed_leaves_a_prefill_that_filled_no_new_block():
 
 def test_part5_merge_computed_merges_a_finished_prefill_and_forgets_it():
     m = new_manager()
-    a = placed(m, 0, prompt(5))
-    a.num_computed_tokens = 4  # the prompt's last token is left: num_tokens - 1 computed
+    a = placed(m, 0, prompt(4))
+    a.num_computed_tokens = 4
+    m._merge_computed()
+    assert 0 in m._unmerged, "a's prefill is not over (is_prefill): it stays unmerged"
+    prefilled(a)  # 5 tokens, 4 computed: no new full block, but the prefill is done
     b = placed(m, 1, prompt(13, 200))
     b.num_computed_tokens = 3
     m._merge_computed()
     assert 0 not in m._unmerged and m._num_cached[0] == 1, (
-        "a's prefill is done (num_computed_tokens >= num_tokens - 1): merged and forgotten"
+        "a's prefill is done (is_prefill False): merged and forgotten"
     )
     assert 1 in m._unmerged and m._num_cached[1] == 0, "b computed no full block: left as it is"
+
+
+def test_part5_a_chunk_one_token_short_of_the_prompt_is_still_a_prefill():
+    m = new_manager()
+    a = placed(m, 0, prompt(8))
+    a.num_computed_tokens = 7  # a chunk that stops before the prompt's last token
+    m._merge_computed()
+    assert 0 in m._unmerged, "the prefill goes on (is_prefill): a stays unmerged"
+    a.num_computed_tokens = 8  # the last chunk: the second block is full now
+    b = Sequence(1, [*prompt(8), 1], BS)
+    assert m.num_cached_tokens(b) == 8, (
+        "the block a's last chunk filled is merged before the next admission: b hits both"
+    )
 
 
 def test_part5_the_lock_moves_to_the_end_of_the_new_path():

@@ -14,7 +14,10 @@ import pytest
 import xxhash
 from test_seed import seeded
 
-from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode, block_hash
+from vkv.engine.block_manager import AllocStatus, BlockManager
+from vkv.engine.prefix_caching import PrefixCachingBlockManager
+from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode, block_hash, hash_blocks
+from vkv.engine.sequence import Sequence, SequenceStatus
 
 
 def reference_hash(parent: int | None, tokens) -> int:
@@ -762,3 +765,430 @@ def test_part4_only_locked_paths_survive_evicting_everything(rng):
         assert sorted(out) == sorted(b for n in made if n.node_id not in locked for b in n.blocks)
         assert (cache.evictable_size, cache.protected_size) == (0, protected)
         assert cache.evict(rng.randint(1, 5)) == [], "nothing evictable is left"
+
+
+# ---- Part 4.1: a sequence's block hashes ------------------------------------------------------
+
+
+def oracle_chain(tokens, size: int, count: int) -> list[int]:
+    """xxh64 of each block after its parent's 8 bytes, from the bytes (not block_hash)."""
+    hashes, last = [], None
+    for i in range(count):
+        data = (b"" if last is None else last.to_bytes(8, "little")) + b"".join(
+            t.to_bytes(4, "little") for t in tokens[i * size : (i + 1) * size]
+        )
+        last = xxhash.xxh64(data).intdigest()
+        hashes.append(last)
+    return hashes
+
+
+@seeded
+def test_part1_hash_blocks_grows_with_a_sequence_hashing_each_block_once(rng):
+    size = rng.randint(1, 8)
+    tokens = [rng.randrange(50_000) for _ in range(size * rng.randint(3, 12) + rng.randrange(size))]
+    calls = []
+
+    def counted(parent, block):
+        calls.append(tuple(block))
+        return block_hash(parent, block)
+
+    hashes: list[int] = []
+    shown = rng.randint(1, size)
+    while shown <= len(tokens):
+        full = shown // size
+        assert hash_blocks(hashes, tokens[:shown], size, full, counted) is hashes
+        assert hashes == oracle_chain(tokens, size, full), (
+            f"after {shown} tokens (block size {size}) the list holds the chained hash of each "
+            f"of the {full} full blocks"
+        )
+        shown += rng.randint(1, 2 * size)
+    assert len(calls) == len(hashes), (
+        f"{len(hashes)} blocks filled, {len(calls)} hashes computed: each block is hashed once"
+    )
+
+
+@seeded
+def test_part1_hash_blocks_refuses_blocks_the_tokens_do_not_fill(rng):
+    size = rng.randint(2, 8)
+    tokens = [
+        rng.randrange(100) for _ in range(size * rng.randint(1, 4) + rng.randint(1, size - 1))
+    ]
+    count = len(tokens) // size + 1
+    hashes = oracle_chain(tokens, size, rng.randint(0, count - 1))
+    before = list(hashes)
+    with pytest.raises(ValueError, match=r"^only full blocks are hashed: "):
+        hash_blocks(hashes, tokens, size, count)
+    assert hashes == before, "a refused call changes nothing"
+
+
+# ---- The BlockManager (parts 4.5-4.9): helpers ------------------------------------------------
+
+
+def chain_of(tokens, size: int, hash_function=reference_hash) -> list[int]:
+    hashes, last = [], None
+    for i in range(len(tokens) // size):
+        last = hash_function(last, list(tokens[i * size : (i + 1) * size]))
+        hashes.append(last)
+    return hashes
+
+
+def new_manager(size: int, gpu: int, cpu: int = 0) -> PrefixCachingBlockManager:
+    m = PrefixCachingBlockManager(size, gpu, cpu, watermark=0.0)
+    m.hash_function = reference_hash
+    return m
+
+
+def seed_prefix(m: PrefixCachingBlockManager, tokens) -> list[int]:
+    """Cached free blocks for the whole blocks of ``tokens``, put in by hand (tree + Phase 1)."""
+    size, allocator = m.block_size, m.gpu_allocator
+    hashes = chain_of(tokens, size, m.hash_function)
+    ids = [allocator.allocate().block_id for _ in hashes]
+    cached = m.tree.insert(list(tokens[: len(ids) * size]), ids, hashes)
+    for index, block_id in enumerate(ids):
+        block = allocator.blocks[block_id]
+        if index >= cached:
+            block.content_hash, block.num_hashed_tokens = hashes[index], (index + 1) * size
+        allocator.free(block)
+    return m.tree.match_prefix([*tokens[: len(ids) * size], 0], hashes).blocks
+
+
+def place(m: PrefixCachingBlockManager, seq_id: int, tokens) -> Sequence:
+    seq = Sequence(seq_id, list(tokens), m.block_size)
+    BlockManager.allocate(m, seq)
+    m._locked[seq_id], m._num_cached[seq_id], m._unmerged[seq_id] = m.tree.root, 0, seq
+    return seq
+
+
+def tree_paths(m: PrefixCachingBlockManager) -> dict[tuple[int, ...], int]:
+    """Every cached prefix (whole blocks) and the block that ends it."""
+    found: dict[tuple[int, ...], int] = {}
+    size = m.block_size
+
+    def walk(node, prefix):
+        for i, block in enumerate(node.blocks):
+            found[prefix + tuple(node.key[: (i + 1) * size])] = block
+        for child in node.children.values():
+            walk(child, prefix + tuple(node.key))
+
+    walk(m.tree.root, ())
+    return found
+
+
+def check_manager(m: PrefixCachingBlockManager, on_gpu: list[Sequence]) -> None:
+    """The manager's invariants, from the blocks, the tables and the tree."""
+    allocator, paths = m.gpu_allocator, tree_paths(m)
+    where = {}
+    for node in nodes(m.tree):
+        for index, block_id in enumerate(node.blocks):
+            assert block_id not in where, f"block {block_id} is in the tree twice"
+            where[block_id] = (node, index)
+    holders = [0] * allocator.num_blocks
+    for seq in on_gpu:
+        for block_id in seq.block_table:
+            holders[block_id] += 1
+    assert [b.ref_count for b in allocator.blocks] == holders, "ref_count != holders"
+    for block in allocator.blocks:
+        if block.block_id not in where:
+            assert block.content_hash is None, f"block {block.block_id}: a hash, not cached"
+            continue
+        node, index = where[block.block_id]
+        assert block.content_hash == node.hashes[index], f"block {block.block_id}: wrong hash"
+        assert (node.lock_ref > 0) == (block.ref_count > 0), (
+            f"block {block.block_id}: lock_ref {node.lock_ref}, ref_count {block.ref_count}"
+        )
+    assert len(allocator.evictor) == m.tree.evictable_size, "the Evictor and the tree disagree"
+    for seq in on_gpu:
+        size = m.block_size
+        for i, block_id in enumerate(seq.block_table):
+            if block_id in where:
+                assert paths.get(tuple(seq.token_ids[: (i + 1) * size])) == block_id, (
+                    f"sequence {seq.seq_id} holds cached block {block_id} at index {i}, which "
+                    "the tree keeps for another prefix"
+                )
+
+
+# ---- Part 4.5 ---------------------------------------------------------------------------------
+
+
+@seeded
+def test_part5_random_chunked_prefills_share_every_computed_block(rng):
+    size = rng.randint(1, 4)
+    bases = [[rng.randrange(6) for _ in range(size * rng.randint(1, 4))] for _ in range(3)]
+    m = new_manager(size, 400)
+    seqs = []
+    for seq_id in range(rng.randint(3, 7)):
+        tokens = rng.choice(bases) + [rng.randrange(6) for _ in range(rng.randint(1, 3 * size))]
+        seqs.append(place(m, seq_id, tokens))
+    for _ in range(12):
+        for seq in seqs:
+            seq.num_computed_tokens = min(
+                seq.num_tokens, seq.num_computed_tokens + rng.randint(0, 3)
+            )
+        m._merge_computed()
+        check_manager(m, seqs)
+        paths = tree_paths(m)
+        for seq in seqs:
+            full = seq.num_computed_tokens // size
+            for i in range(full):
+                prefix = tuple(seq.token_ids[: (i + 1) * size])
+                assert prefix in paths, (
+                    f"sequence {seq.seq_id} computed {seq.num_computed_tokens} tokens: its "
+                    f"block {i} must be cached after the merge"
+                )
+                assert seq.block_table[i] == paths[prefix], (
+                    f"sequence {seq.seq_id}, block {i}: it must hold the tree's block for that "
+                    "prefix (a duplicate is switched to the tree's and freed)"
+                )
+        distinct = {b for seq in seqs for b in seq.block_table}
+        assert m.num_free_gpu_blocks == 400 - len(distinct), "duplicates are freed"
+
+
+@seeded
+def test_part5_a_merge_hashes_only_the_blocks_filled_since_the_last(rng):
+    size = rng.randint(1, 4)
+    m = new_manager(size, 100)
+    calls = []
+
+    def counted(parent, block):
+        calls.append(1)
+        return reference_hash(parent, block)
+
+    m.hash_function = counted
+    seq = place(m, 0, [rng.randrange(9) for _ in range(size * rng.randint(3, 9) + 1)])
+    while seq.num_computed_tokens < seq.num_tokens:
+        seq.num_computed_tokens = min(seq.num_tokens, seq.num_computed_tokens + rng.randint(1, 5))
+        m._merge(seq)
+    assert len(calls) == seq.num_tokens // size, (
+        f"{seq.num_tokens // size} full blocks, {len(calls)} hashes: each block hashed once"
+    )
+
+
+# ---- Part 4.6 ---------------------------------------------------------------------------------
+
+
+@seeded
+def test_part6_make_room_evicts_what_the_free_list_lacks_oldest_prefix_first(rng):
+    size = rng.randint(1, 4)
+    count = rng.randint(2, 6)
+    lengths = [rng.randint(1, 3) for _ in range(count)]
+    pool = sum(lengths) + rng.randint(0, 4)
+    m = new_manager(size, pool)
+    prefixes = []
+    for i, blocks in enumerate(lengths):  # distinct first tokens: each prefix is a root leaf
+        tokens = [1000 + i] + [rng.randrange(5) for _ in range(blocks * size - 1)]
+        prefixes.append(seed_prefix(m, tokens))
+    order = list(range(count))
+    rng.shuffle(order)
+    leaves = {node.blocks[0]: node for node in m.tree.root.children.values()}
+    for stamp, i in enumerate(order):
+        leaves[prefixes[i][0]].last_access = stamp + 1
+    asked = rng.randint(0, pool)
+    free_list = pool - sum(lengths)
+    missing, gone = max(0, asked - free_list), set()
+    for i in order:  # the oracle: oldest whole leaves until enough are out
+        if missing <= 0:
+            break
+        gone.add(i)
+        missing -= lengths[i]
+    m._make_room(asked)
+    kept = {i for i in range(count) if set(prefixes[i]) <= set(tree_paths(m).values())}
+    assert kept == set(range(count)) - gone, (
+        f"{asked} free blocks asked for, {free_list} uncached free: the oldest prefixes go "
+        f"whole until enough are out; expected to keep {sorted(set(range(count)) - gone)}, "
+        f"kept {sorted(kept)}"
+    )
+    assert len(m.gpu_allocator.evictor) == m.tree.evictable_size
+    evicted = [b for i in gone for b in prefixes[i]]
+    assert all(m.gpu_allocator.blocks[b].content_hash is None for b in evicted)
+
+
+# ---- Part 4.7 ---------------------------------------------------------------------------------
+
+
+@seeded
+def test_part7_a_hit_is_the_longest_cached_block_aligned_prefix(rng):
+    size = rng.randint(1, 4)
+    m = new_manager(size, 300)
+    cached = []
+    for _ in range(rng.randint(1, 4)):
+        tokens = [rng.randrange(4) for _ in range(size * rng.randint(1, 5))]
+        ids = seed_prefix(m, tokens)
+        cached.append((tokens, ids))
+    paths = dict(tree_paths(m))
+    for seq_id in range(rng.randint(2, 6)):
+        base, _ = rng.choice(cached)
+        tokens = base[: rng.randint(1, len(base))] + [
+            rng.randrange(4) for _ in range(rng.randint(0, 6))
+        ]
+        limit = (len(tokens) - 1) // size
+        expected = []
+        for i in range(limit):
+            block = paths.get(tuple(tokens[: (i + 1) * size]))
+            if block is None:
+                break
+            expected.append(block)
+        seq = Sequence(seq_id, tokens, size)
+        assert m.num_cached_tokens(seq) == len(expected) * size
+        queries, hits = m.num_query_tokens, m.num_hit_tokens
+        m.allocate(seq)
+        assert seq.block_table[: len(expected)] == expected, (
+            f"prompt {tokens}: the hit is the tree's blocks {expected}, never the last token's"
+        )
+        assert seq.num_computed_tokens == len(expected) * size
+        assert (m.num_query_tokens - queries, m.num_hit_tokens - hits) == (
+            len(tokens),
+            len(expected) * size,
+        )
+        for i, block in enumerate(expected):  # the hit's blocks now hold another holder
+            paths[tuple(tokens[: (i + 1) * size])] = block
+        for i in range(len(expected), len(tokens) // size):
+            paths.setdefault(tuple(tokens[: (i + 1) * size]), None)
+        paths = {k: v for k, v in paths.items() if v is not None}
+
+
+@seeded
+def test_part7_can_allocate_charges_only_the_uncached_blocks_in_use(rng):
+    size = rng.randint(1, 4)
+    shared = [rng.randrange(9) for _ in range(size * rng.randint(1, 4))]
+    m = new_manager(size, len(shared) // size + 4)
+    seed_prefix(m, shared)
+    holder = Sequence(0, [*shared, 1], size)
+    m.allocate(holder)
+    extra = rng.randint(1, 4 * size)
+    other = Sequence(1, [*shared, *[2] * extra], size)
+    need = other.num_blocks - len(shared) // size
+    free = m.num_free_gpu_blocks
+    if other.num_blocks > m.num_gpu_blocks:
+        expected = AllocStatus.NEVER
+    elif need <= free:
+        expected = AllocStatus.OK
+    else:
+        expected = AllocStatus.LATER
+    assert m.can_allocate(other) is expected, (
+        f"{other.num_blocks} blocks, {len(shared) // size} cached and in use, {free} free: "
+        f"expected {expected.name}"
+    )
+
+
+# ---- Part 4.8 ---------------------------------------------------------------------------------
+
+
+def optimum(trace, size: int) -> list[int]:
+    seen, best = [], []
+    for prompt_ids, output in trace:
+        shared = 0
+        for earlier in seen:
+            common = 0
+            while (
+                common < min(len(earlier), len(prompt_ids))
+                and earlier[common] == prompt_ids[common]
+            ):
+                common += 1
+            shared = max(shared, common)
+        best.append(min(shared // size * size, (len(prompt_ids) - 1) // size * size))
+        seen.append((prompt_ids + output)[:-1])
+    return best
+
+
+@seeded
+def test_part8_random_traces_hit_the_block_aligned_optimum(rng):
+    size = rng.randint(1, 8)
+    stems = [[rng.randrange(7) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    trace = []
+    for _ in range(rng.randint(5, 15)):
+        if trace and rng.random() < 0.3:  # a chat turn: an earlier prompt and answer, then more
+            prompt_ids, output = rng.choice(trace)
+            prompt_ids = prompt_ids + output + [rng.randrange(7) for _ in range(rng.randint(1, 5))]
+        else:
+            prompt_ids = rng.choice(stems) + [rng.randrange(7) for _ in range(rng.randint(1, 9))]
+        trace.append((prompt_ids, [rng.randrange(7) for _ in range(rng.randint(1, 9))]))
+    m = new_manager(size, 2000)
+    hits = []
+    for seq_id, (prompt_ids, output) in enumerate(trace):
+        seq = Sequence(seq_id, prompt_ids, size)
+        m.allocate(seq)
+        hits.append(seq.num_computed_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        for token in output:
+            seq.append_token(token)
+            m.append_slot(seq)
+            seq.num_computed_tokens = seq.num_tokens - 1
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        m.free(seq)
+        check_manager(m, [])
+    assert hits == optimum(trace, size), (
+        f"block size {size}: hits {hits}, the block-aligned optimum {optimum(trace, size)}"
+    )
+
+
+# ---- Part 4.9 ---------------------------------------------------------------------------------
+
+
+@seeded
+def test_part9_random_runs_keep_every_slot_holding_its_own_prefix(rng):
+    size = rng.randint(1, 3)
+    m = new_manager(size, rng.randint(6, 14), 12)
+    bases = [[rng.randrange(4) for _ in range(rng.randint(2, 8))] for _ in range(3)]
+    slots: dict = {}
+    gpu, cpu, next_id = [], [], 0
+
+    def write(seq, start, end):
+        for pos in range(start, end):
+            slots["gpu", seq.block_table[pos // size], pos % size] = tuple(seq.token_ids[: pos + 1])
+        seq.num_computed_tokens = end
+
+    def move(src, dst, mapping):
+        for a, b in mapping.items():
+            for off in range(size):
+                slots[dst, b, off] = slots.get((src, a, off))
+
+    for _ in range(120):
+        op = rng.choice(["admit", "decode", "decode", "fork", "free", "swap_out", "swap_in"])
+        if op == "admit":
+            seq = Sequence(next_id, [*rng.choice(bases), rng.randrange(4)], size)
+            next_id += 1
+            if m.can_allocate(seq) is AllocStatus.OK:
+                m.allocate(seq)
+                write(seq, seq.num_computed_tokens, seq.num_tokens)
+                seq.append_token(rng.randrange(4))
+                gpu.append(seq)
+        elif op == "decode" and gpu:
+            seq = rng.choice(gpu)
+            if m.can_append_slot(seq):
+                copy = m.append_slot(seq)
+                if copy is not None:
+                    move("gpu", "gpu", {copy[0]: copy[1]})
+                write(seq, seq.num_tokens - 1, seq.num_tokens)
+                seq.append_token(rng.randrange(4))
+        elif op == "fork" and gpu:
+            parent = rng.choice(gpu)
+            child = Sequence(next_id, parent.token_ids, size)
+            next_id += 1
+            m.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            gpu.append(child)
+        elif op == "free" and gpu:
+            seq = rng.choice(gpu)
+            gpu.remove(seq)
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            m.free(seq)
+        elif op == "swap_out" and gpu:
+            seq = rng.choice(gpu)
+            if m.can_swap_out([seq]):
+                move("gpu", "cpu", m.swap_out([seq]))
+                gpu.remove(seq)
+                cpu.append(seq)
+        elif op == "swap_in" and cpu:
+            seq = rng.choice(cpu)
+            if m.can_swap_in([seq]) is AllocStatus.OK:
+                move("cpu", "gpu", m.swap_in([seq]))
+                cpu.remove(seq)
+                gpu.append(seq)
+        check_manager(m, gpu)
+        for seq in gpu:
+            for pos in range(seq.num_computed_tokens):
+                got = slots.get(("gpu", seq.block_table[pos // size], pos % size))
+                assert got == tuple(seq.token_ids[: pos + 1]), (
+                    f"after {op}: sequence {seq.seq_id} position {pos} reads the K/V of "
+                    f"{got}, not of its own prefix"
+                )

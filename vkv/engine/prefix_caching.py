@@ -107,13 +107,13 @@ class PrefixCachingBlockManager(BlockManager):
 
     def _merge_computed(self) -> None:
         """Merge (``_merge``) every unmerged sequence whose computed tokens fill more blocks than
-        it has in the tree (``_num_cached``), or whose prefill is done (``num_computed_tokens
-        >= num_tokens - 1``: every token but the newest computed). Called before every
+        it has in the tree (``_num_cached``), or whose prefill is done (``seq.is_prefill`` is
+        False: the scheduler ends it once every prompt token is computed). Called before every
         admission decision, so a prompt admitted a step after another reuses its blocks."""
         ### BEGIN SOLUTION part4.5
         for seq in list(self._unmerged.values()):
             full = seq.num_computed_tokens // self.block_size
-            if full > self._num_cached[seq.seq_id] or seq.num_computed_tokens >= seq.num_tokens - 1:
+            if full > self._num_cached[seq.seq_id] or not seq.is_prefill:
                 self._merge(seq)
         ### END SOLUTION
 
@@ -149,7 +149,7 @@ class PrefixCachingBlockManager(BlockManager):
         """Cache a running sequence's computed blocks (``_cache``) and switch it to the tree's
         copies: a duplicate in its table is replaced by the tree's block (one more holder) and
         freed. It then locks the path's end instead of the node it locked before, and stays
-        unmerged while its prefill goes on (``num_computed_tokens < num_tokens - 1``)."""
+        unmerged while its prefill goes on (``seq.is_prefill``)."""
         ### BEGIN SOLUTION part4.5
         path = self._cache(seq)
         for index, block_id in enumerate(path.blocks):
@@ -162,7 +162,7 @@ class PrefixCachingBlockManager(BlockManager):
         self._release(seq)
         self._locked[seq.seq_id] = path.node
         self._num_cached[seq.seq_id] = len(path.blocks)
-        if seq.num_computed_tokens < seq.num_tokens - 1:
+        if seq.is_prefill:
             self._unmerged[seq.seq_id] = seq
         ### END SOLUTION
 
