@@ -1192,3 +1192,99 @@ def test_part9_random_runs_keep_every_slot_holding_its_own_prefix(rng):
                     f"after {op}: sequence {seq.seq_id} position {pos} reads the K/V of "
                     f"{got}, not of its own prefix"
                 )
+
+
+@seeded
+def test_part6_make_room_never_touches_a_locked_prefix_and_frees_without_content(rng):
+    size = rng.randint(1, 4)
+    count = rng.randint(2, 5)
+    m = new_manager(size, count * 3 + rng.randint(0, 3))
+    prefixes = [
+        seed_prefix(m, [2000 + i] + [1] * (size * rng.randint(1, 3) - 1)) for i in range(count)
+    ]
+    locked = rng.sample(range(count), rng.randint(1, count - 1))
+    for i in locked:
+        node = m.tree.root.children[
+            next(h for h, n in m.tree.root.children.items() if n.blocks[0] == prefixes[i][0])
+        ]
+        for block_id in prefixes[i]:
+            m.gpu_allocator.reuse(block_id)
+        m.tree.lock(node)
+    m._make_room(m.num_gpu_blocks)
+    cached = set(tree_paths(m).values())
+    for i in range(count):
+        if i in locked:
+            assert set(prefixes[i]) <= cached, f"locked prefix {i} was evicted"
+        else:
+            assert not set(prefixes[i]) & cached, f"unlocked prefix {i} should have gone"
+            for block_id in prefixes[i]:
+                block = m.gpu_allocator.blocks[block_id]
+                assert block.content_hash is None and block_id not in m.gpu_allocator.evictor
+    assert len(m.gpu_allocator.evictor) == m.tree.evictable_size == 0
+
+
+@seeded
+def test_part8_identical_prompts_freed_unmerged_leave_one_cached_copy(rng):
+    size = rng.randint(1, 4)
+    tokens = [rng.randrange(9) for _ in range(size * rng.randint(1, 5) + rng.randint(1, size))]
+    m = new_manager(size, 200)
+    seqs = [Sequence(i, tokens, size) for i in range(rng.randint(2, 5))]
+    for seq in seqs:
+        m.allocate(seq)  # the same step: none computed yet, no hit
+    for seq in seqs:
+        seq.num_computed_tokens, seq.is_prefill = seq.num_tokens, False
+        seq.append_token(1)
+    rng.shuffle(seqs)
+    for index, seq in enumerate(seqs):
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        m.free(seq)
+        check_manager(m, seqs[index + 1 :])
+    assert m.tree.total_size == len(tokens) // size, "one cached copy of each full block"
+    assert len(m.gpu_allocator.evictor) == len(tokens) // size, "the duplicates are uncached"
+    assert m.num_free_gpu_blocks == 200 and not m._counted
+
+
+@seeded
+def test_part8_forked_children_lock_the_parents_path(rng):
+    size = rng.randint(1, 4)
+    m = new_manager(size, 200)
+    parent = Sequence(0, [rng.randrange(9) for _ in range(size * rng.randint(1, 4) + 1)], size)
+    m.allocate(parent)
+    parent.num_computed_tokens, parent.is_prefill = parent.num_tokens, False
+    parent.append_token(2)
+    children = []
+    for i in range(rng.randint(1, 4)):
+        child = Sequence(i + 1, parent.token_ids, size)
+        m.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        children.append(child)
+    group = [parent, *children]
+    check_manager(m, group)
+    node = m._locked[0]
+    assert all(m._locked[c.seq_id] is node for c in children)
+    assert node.lock_ref == len(group), f"lock_ref {node.lock_ref}, {len(group)} holders"
+    rng.shuffle(group)
+    for seq in group:
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        m.free(seq)
+    assert all(n.lock_ref == 0 for n in nodes(m.tree))
+
+
+@seeded
+def test_part9_swap_out_then_in_goes_back_onto_the_trees_blocks(rng):
+    size = rng.randint(1, 4)
+    tokens = [rng.randrange(9) for _ in range(size * rng.randint(1, 4) + rng.randint(1, size))]
+    m = new_manager(size, 100, 100)
+    seq = Sequence(0, tokens, size)
+    m.allocate(seq)
+    seq.num_computed_tokens, seq.is_prefill = seq.num_tokens, False
+    seq.append_token(3)
+    m.append_slot(seq)
+    cached = seq.block_table[: len(tokens) // size]
+    m.swap_out([seq])
+    assert m.tree.protected_size == 0 and m.tree.evictable_size == len(cached)
+    check_manager(m, [])
+    m.swap_in([seq])
+    m.append_slot(seq)
+    assert seq.block_table[: len(cached)] == cached, "the next decode merges it back"
+    check_manager(m, [seq])
