@@ -540,6 +540,44 @@ def test_part3_insert_stamps_its_path_as_used_now():
     )
 
 
+def test_part3_a_new_leaf_in_an_empty_tree_is_stamped():
+    cache = new_cache()
+    insert(cache, [1, 2, 3, 4], [10, 11])
+    (leaf,) = cache.root.children.values()
+    assert leaf.last_access == cache._clock == 1, (
+        f"the new leaf is used now: the clock's first tick, 1; it has {leaf.last_access} "
+        "(an unstamped leaf looks older than everything and is evicted first)"
+    )
+
+
+def test_part3_a_new_leaf_under_old_nodes_is_the_newest_of_its_path():
+    cache = new_cache()
+    top = grow(cache, cache.root, [1, 2], [10])
+    middle = grow(cache, top, [3, 4], [11])
+    top.last_access = middle.last_access = 7
+    cache._clock = 7
+    insert(cache, [1, 2, 3, 4, 5, 6], [20, 21, 22])
+    (leaf,) = middle.children.values()
+    stamps = (top.last_access, middle.last_access, leaf.last_access)
+    assert stamps == (8, 8, 8), (
+        f"one _touch of the new leaf stamps it and every ancestor with tick 8; got {stamps}"
+    )
+
+
+def test_part3_a_new_leaf_after_a_split_is_stamped_with_its_path():
+    cache = new_cache()
+    old = grow(cache, cache.root, [1, 2, 3, 4], [10, 11])
+    old.last_access = cache._clock = 3
+    insert(cache, [1, 2, 9, 9], [20, 21])
+    (head,) = cache.root.children.values()
+    leaf = next(child for child in head.children.values() if child.blocks == [21])
+    assert (head.last_access, leaf.last_access) == (4, 4), (
+        "the new leaf hangs under the split's head: both are on the inserted path, used now "
+        f"(tick 4); head {head.last_access}, leaf {leaf.last_access}"
+    )
+    assert old.last_access == 3, "the tail the split cut off is not on the path"
+
+
 def test_part3_an_insert_of_a_cached_prefix_still_stamps_its_path():
     cache = new_cache()
     insert(cache, [1, 2, 3, 4], [10, 11])
@@ -799,6 +837,22 @@ def test_part4_a_locked_node_deep_in_a_chain_keeps_its_whole_path():
     )
     assert second.children == {} and first.children == {second.hashes[0]: second}
     check_tree(cache)
+
+
+def test_part4_a_locked_parent_survives_a_call_that_asks_for_everything():
+    cache = new_cache()
+    parent = grow(cache, cache.root, [1, 2], [10])
+    child = grow(cache, parent, [3, 4], [11])
+    other = grow(cache, cache.root, [5, 6], [12])
+    parent.lock_ref = 1  # a sequence uses [1, 2] only
+    cache.evictable_size, cache.protected_size = 2, 1
+    parent.last_access = child.last_access = other.last_access = 0
+    evicted = cache.evict(3)
+    assert 10 not in evicted, (
+        f"evict(3) returned {evicted}: block 10's node is locked; once its child is out it is "
+        "a leaf, but a locked leaf is never evicted, however many blocks are asked for"
+    )
+    assert sorted(evicted) == [11, 12]
 
 
 def test_part4_eviction_stops_when_nothing_is_evictable():
