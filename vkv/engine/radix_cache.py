@@ -341,7 +341,7 @@ class RadixCache:
             del parent.children[leaf.hashes[0]]
             self.evictable_size -= len(leaf.blocks)
             evicted += leaf.blocks
-            if parent is not self.root and not parent.children:
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, parent.node_id, parent))
         return evicted
         ### END SOLUTION
