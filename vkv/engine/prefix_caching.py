@@ -1,9 +1,17 @@
-"""PrefixCachingBlockManager: the BlockManager of Phase 1 with a RadixCache of Phase 4 (given).
+"""PrefixCachingBlockManager: the BlockManager of Phase 1 with a RadixCache (Phase 4, graded).
 
 With prefix caching, a full block whose K/V are computed is recorded in a radix tree under the
 tokens it holds (and every token before them), and a new prompt starts from the longest cached
 prefix instead of computing it again. This class adds that to the BlockManager; it changes no
 rule of Phase 1 for blocks that are not cached.
+
+Parts 4.5-4.9 (``assignment/phase4.md``): caching what a prefill computed (4.5), eviction
+through the tree (4.6), allocate with a hit (4.7), free into the tree and fork (4.8), decode and
+swap (4.9). With prefix caching off the engine never uses this class.
+
+Hashes: a sequence's block hashes are its own (``seq.block_hashes``), each computed once when the
+block is full (``_block_hashes``, given, through part 4.1's ``hash_blocks``) and handed to the
+tree, which never hashes.
 
 Which blocks are cached, and when:
 
