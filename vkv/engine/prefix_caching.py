@@ -288,7 +288,7 @@ class PrefixCachingBlockManager(BlockManager):
         if self._device_of.get(seq.seq_id) is Device.GPU:
             self._cache(seq)
             self._release(seq)
-        super().free(seq)
+        BlockManager.free(self, seq)
         if seq.is_finished:
             self._counted.discard(seq.seq_id)
         ### END SOLUTION
@@ -303,7 +303,7 @@ class PrefixCachingBlockManager(BlockManager):
         self._require_device(child, None)
         self._require_block_size(child)
         self._merge(parent)
-        super().fork(parent, child)
+        BlockManager.fork(self, parent, child)
         node = self._locked[parent.seq_id]
         self.tree.lock(node)
         self._locked[child.seq_id] = node
@@ -327,7 +327,7 @@ class PrefixCachingBlockManager(BlockManager):
         if seq.num_tokens <= len(table) * self.block_size and last.ref_count == 1:
             return None  # Phase 1's common case, checked here as there: nothing to allocate
         self._make_room(self._blocks_to_append(seq))
-        return super().append_slot(seq)
+        return BlockManager.append_slot(self, seq)
         ### END SOLUTION
 
     def swap_out(self, seqs: list[Sequence]) -> dict[int, int]:
@@ -338,7 +338,7 @@ class PrefixCachingBlockManager(BlockManager):
         self._require_group_on(seqs, Device.GPU)
         for seq in seqs:
             self._release(seq)
-        return super().swap_out(seqs)
+        return BlockManager.swap_out(self, seqs)
         ### END SOLUTION
 
     def swap_in(self, seqs: list[Sequence]) -> dict[int, int]:
@@ -348,7 +348,7 @@ class PrefixCachingBlockManager(BlockManager):
         ### BEGIN SOLUTION part4.9
         self._require_group_on(seqs, Device.CPU)
         self._make_room(self.swapper.num_blocks(seqs))
-        mapping = super().swap_in(seqs)
+        mapping = BlockManager.swap_in(self, seqs)
         for seq in seqs:
             self._num_cached[seq.seq_id] = 0
             self._unmerged[seq.seq_id] = seq
