@@ -1239,9 +1239,10 @@ def test_part5_a_chunk_one_token_short_of_the_prompt_is_still_a_prefill():
     m._merge_computed()
     assert 0 in m._unmerged, "the prefill goes on (is_prefill): a stays unmerged"
     a.num_computed_tokens = 8  # the last chunk: the second block is full now
-    b = Sequence(1, [*prompt(8), 1], BS)
-    assert m.num_cached_tokens(b) == 8, (
-        "the block a's last chunk filled is merged before the next admission: b hits both"
+    m._merge_computed()
+    assert m.tree.total_size == 2, (
+        "the block a's last chunk filled is merged before the next admission: the tree holds "
+        f"both blocks, it holds {m.tree.total_size}"
     )
 
 
@@ -1758,7 +1759,7 @@ def serve_through_the_manager(trace, block_size: int) -> list[int]:
         seq.num_computed_tokens = seq.num_tokens
         for token in output:
             seq.append_token(token)
-            m.append_slot(seq)
+            BlockManager.append_slot(m, seq)  # Phase 1's: its blocks are cached when freed
             seq.num_computed_tokens = seq.num_tokens - 1
         seq.status = SequenceStatus.FINISHED_STOPPED
         m.free(seq)

@@ -1111,7 +1111,7 @@ def test_part8_random_traces_hit_the_block_aligned_optimum(rng):
         seq.num_computed_tokens = seq.num_tokens
         for token in output:
             seq.append_token(token)
-            m.append_slot(seq)
+            BlockManager.append_slot(m, seq)  # Phase 1's: its blocks are cached when freed
             seq.num_computed_tokens = seq.num_tokens - 1
         seq.status = SequenceStatus.FINISHED_STOPPED
         m.free(seq)
