@@ -98,7 +98,7 @@ def free_hash(parent: int | None, tokens: Sequence[int]) -> int:
 
 def run_free_hash(block_size: int, pool_tokens: int) -> dict:
     scheduler = make_scheduler(block_size, pool_tokens, NUM_SEQS, enable_prefix_caching=True)
-    scheduler.block_manager.tree.hash_function = free_hash
+    scheduler.block_manager.hash_function = free_hash
     return run_loop(scheduler)
 
 

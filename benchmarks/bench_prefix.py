@@ -1,7 +1,7 @@
 """Prefix reuse on four workloads: what the RadixCache finds against the offline optimum.
 
 Each workload is a trace of requests (prompt and output tokens), served one at a time in arrival
-order the way an engine would use the tree: ``match_prefix(prompt)`` (the hit), lock the path,
+order the way an engine would use the tree: ``match_prefix`` (the hit), lock the path,
 take fresh blocks for the rest, then ``insert`` the request's whole blocks (prompt and output)
 and unlock. The *block-aligned optimum* is computed offline from the trace alone: for each
 request, the longest prefix its prompt shares with any earlier request's tokens, in whole blocks,
@@ -56,7 +56,7 @@ from workloads import nanovllm_trace
 from vkv import SamplingParams
 from vkv.config import Config
 from vkv.engine.llm_engine import LLMEngine
-from vkv.engine.radix_cache import RadixCache
+from vkv.engine.radix_cache import RadixCache, hash_blocks
 from vkv.engine.simulator import Request as SimRequest
 from vkv.engine.simulator import simulate
 
@@ -133,7 +133,10 @@ def serve(trace: list[Request], block_size: int, capacity: int | None) -> dict:
     cache, next_block = RadixCache(block_size), 0
     hits, saved_blocks, started = [], 0, time.perf_counter()
     for prompt, output in trace:
-        match = cache.match_prefix(prompt)
+        hashes = hash_blocks(
+            [], prompt + output, block_size, (len(prompt) + len(output)) // block_size
+        )
+        match = cache.match_prefix(prompt, hashes)
         hits.append(len(match.blocks) * block_size)
         cache.lock(match.node)
         whole = (prompt + output)[: (len(prompt) + len(output)) // block_size * block_size]
@@ -142,7 +145,7 @@ def serve(trace: list[Request], block_size: int, capacity: int | None) -> dict:
             cache.evict(cache.total_size + fresh - capacity)
         blocks = match.blocks + list(range(next_block, next_block + fresh))
         next_block += fresh
-        saved_blocks += cache.insert(whole, blocks) - len(match.blocks)
+        saved_blocks += cache.insert(whole, blocks, hashes) - len(match.blocks)
         cache.unlock(match.node)
     seconds = time.perf_counter() - started
     return {"hits": hits, "duplicates_freed": saved_blocks, "seconds": seconds}

@@ -14,7 +14,10 @@ import pytest
 import xxhash
 from test_seed import seeded
 
-from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode, block_hash
+from vkv.engine.block_manager import AllocStatus, BlockManager
+from vkv.engine.prefix_caching import PrefixCachingBlockManager
+from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode, block_hash, hash_blocks
+from vkv.engine.sequence import Sequence, SequenceStatus
 
 
 def reference_hash(parent: int | None, tokens) -> int:
@@ -26,6 +29,33 @@ def reference_hash(parent: int | None, tokens) -> int:
 def colliding_hash(parent: int | None, tokens) -> int:
     """Every block hashes alike: only the token comparison tells blocks apart."""
     return 7
+
+
+class Cache(RadixCache):
+    """Your RadixCache, carrying the tests' own chained hash: the tree never hashes, so the
+    tests hash each prompt's blocks (as a sequence does) and pass the list to the tree."""
+
+    def __init__(self, block_size: int, hash_function=reference_hash) -> None:
+        super().__init__(block_size)
+        self.hash_function = hash_function
+
+    def hashes(self, token_ids) -> list[int]:
+        """The chained hash of every whole block of ``token_ids``."""
+        hashes, last, size = [], None, self.block_size
+        for i in range(len(token_ids) // size):
+            last = self.hash_function(last, list(token_ids[i * size : (i + 1) * size]))
+            hashes.append(last)
+        return hashes
+
+
+def match(cache: Cache, token_ids) -> MatchResult:
+    """``match_prefix`` with the prompt's block hashes."""
+    return cache.match_prefix(token_ids, cache.hashes(token_ids))
+
+
+def insert(cache: Cache, token_ids, blocks) -> int:
+    """``insert`` with the blocks' hashes."""
+    return cache.insert(token_ids, blocks, cache.hashes(token_ids))
 
 
 def grow(cache: RadixCache, parent: TreeNode, tokens: list[int], blocks: list[int]) -> TreeNode:
@@ -206,7 +236,7 @@ def test_part1_parent_zero_is_a_parent_not_the_first_block(rng):
 @seeded
 def test_part2_split_gives_the_head_to_a_new_node_and_the_tail_keeps_the_rest(rng):
     for _ in range(10):
-        cache = RadixCache(rng.randint(1, 4), reference_hash)
+        cache = Cache(rng.randint(1, 4), reference_hash)
         made = random_tree(rng, cache, rng.randint(0, 6))
         parent = rng.choice([cache.root, *made])
         size = cache.block_size
@@ -253,7 +283,7 @@ def test_part2_split_gives_the_head_to_a_new_node_and_the_tail_keeps_the_rest(rn
 def test_part2_the_head_copies_lock_ref_and_last_access(rng):
     for _ in range(10):
         size = rng.randint(1, 4)
-        cache = RadixCache(size, reference_hash)
+        cache = Cache(size, reference_hash)
         count = rng.randint(2, 8)
         node = grow(cache, cache.root, [rng.randrange(9) for _ in range(count * size)],
                     rng.sample(range(1000), count))  # fmt: skip
@@ -276,7 +306,7 @@ def test_part2_the_head_copies_lock_ref_and_last_access(rng):
 @seeded
 def test_part2_repeated_splits_keep_the_edge_and_its_chain(rng):
     size = rng.randint(1, 4)
-    cache = RadixCache(size, reference_hash)
+    cache = Cache(size, reference_hash)
     count = rng.randint(3, 12)
     tokens = [rng.randrange(50) for _ in range(count * size)]
     blocks = rng.sample(range(10**5), count)
@@ -297,15 +327,15 @@ def test_part2_repeated_splits_keep_the_edge_and_its_chain(rng):
 
 
 @seeded
-def test_part3_match_finds_the_longest_cached_prefix_of_whole_blocks(rng):
+def test_part2_match_finds_the_longest_cached_prefix_of_whole_blocks(rng):
     for _ in range(6):
-        cache = RadixCache(rng.randint(1, 4), reference_hash)
+        cache = Cache(rng.randint(1, 4), reference_hash)
         made = random_tree(rng, cache, rng.randint(1, 12))
         for _ in range(10):
             model = paths(cache)
             prompt = draw_prompt(rng, cache, made)
             want = expected_match(model, prompt, cache.block_size)
-            result = cache.match_prefix(prompt)
+            result = match(cache, prompt)
             assert isinstance(result, MatchResult) and result.blocks == want, (
                 f"block size {cache.block_size}, prompt {prompt}: the longest cached prefix of "
                 f"whole blocks, never the last token (at most ({len(prompt)} - 1) // "
@@ -320,10 +350,10 @@ def test_part3_match_finds_the_longest_cached_prefix_of_whole_blocks(rng):
 
 
 @seeded
-def test_part3_a_match_inside_an_edge_splits_it_after_the_last_matched_block(rng):
+def test_part2_a_match_inside_an_edge_splits_it_after_the_last_matched_block(rng):
     for _ in range(10):
         size = rng.randint(1, 4)
-        cache = RadixCache(size, reference_hash)
+        cache = Cache(size, reference_hash)
         made = random_tree(rng, cache, rng.randint(0, 5))
         parent = rng.choice([cache.root, *made])
         count = rng.randint(2, 6)
@@ -334,7 +364,7 @@ def test_part3_a_match_inside_an_edge_splits_it_after_the_last_matched_block(rng
         prompt = path_key(cache, parent) + edge[: keep * size]
         prompt += [rng.randrange(200, 300)] * rng.randint(1, 2 * size)  # diverge, or end
         total = cache.total_size
-        result = cache.match_prefix(prompt)
+        result = match(cache, prompt)
         assert result.blocks[-keep:] == blocks[:keep] and result.node.blocks == blocks[:keep], (
             f"the prompt agrees with {keep} of the edge's {count} blocks: the edge is split after "
             f"them and the match ends at the head {blocks[:keep]}, got node {result.node.blocks}"
@@ -349,10 +379,10 @@ def test_part3_a_match_inside_an_edge_splits_it_after_the_last_matched_block(rng
 
 
 @seeded
-def test_part3_a_match_stamps_its_path_and_nothing_else(rng):
+def test_part2_a_match_stamps_its_path_and_nothing_else(rng):
     for k in range(8):
         size = rng.randint(1, 4)
-        cache = RadixCache(size, reference_hash)
+        cache = Cache(size, reference_hash)
         made = random_tree(rng, cache, rng.randint(1, 10))
         top = grow(cache, cache.root, [200 + t for t in range(size)], [80_000])
         deep = grow(cache, top, [300 + t for t in range(2 * size)], [80_001, 80_002])
@@ -365,7 +395,7 @@ def test_part3_a_match_stamps_its_path_and_nothing_else(rng):
             prompt = [*path_key(cache, deep)[: rng.choice([2, 3]) * size], rng.randrange(6)]
         else:
             prompt = draw_prompt(rng, cache, made)
-        result = cache.match_prefix(prompt)
+        result = match(cache, prompt)
         now = cache._clock
         on_path, node = set(), result.node
         while node is not cache.root:
@@ -388,12 +418,12 @@ def test_part3_a_match_stamps_its_path_and_nothing_else(rng):
 
 
 @seeded
-def test_part3_a_match_ticks_the_clock_once(rng):
-    cache = RadixCache(rng.randint(1, 4), reference_hash)
+def test_part2_a_match_ticks_the_clock_once(rng):
+    cache = Cache(rng.randint(1, 4), reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 10))
     for _ in range(10):
         clock = cache._clock
-        cache.match_prefix(draw_prompt(rng, cache, made))
+        match(cache, draw_prompt(rng, cache, made))
         assert cache._clock == clock + 1, (
             f"a match is one use of its path: one _touch, one tick (clock {clock} -> "
             f"{clock + 1}), got {cache._clock}"
@@ -401,24 +431,24 @@ def test_part3_a_match_ticks_the_clock_once(rng):
 
 
 @seeded
-def test_part3_a_collision_is_a_miss_and_an_empty_prompt_is_refused(rng):
+def test_part2_a_collision_is_a_miss_and_an_empty_prompt_is_refused(rng):
     size = rng.randint(1, 4)
-    cache = RadixCache(size, colliding_hash)
+    cache = Cache(size, colliding_hash)
     cached = [rng.randrange(100) for _ in range(size * rng.randint(1, 4))]
     grow(cache, cache.root, cached, rng.sample(range(1000), len(cached) // size))
     other = list(cached)
     other[rng.randrange(size)] += 1  # the first block differs, the hash is the same
-    result = cache.match_prefix([*other, rng.randrange(100)])
+    result = match(cache, [*other, rng.randrange(100)])
     assert result.blocks == [] and result.node is cache.root, (
         f"block {other[:size]} hashes like the cached {cached[:size]} but its tokens differ: a "
         f"miss (no blocks, the root), got {result.blocks}"
     )
-    assert cache.match_prefix([*cached, 1]).blocks == list(cache.root.children[7].blocks), (
+    assert match(cache, [*cached, 1]).blocks == list(cache.root.children[7].blocks), (
         "with the tokens equal, a colliding hash still matches"
     )
     before = snapshot(cache)
     with pytest.raises(ValueError, match=r"^cannot match an empty prompt$"):
-        cache.match_prefix([])
+        match(cache, [])
     assert snapshot(cache) == before, "a refused match changes nothing"
 
 
@@ -426,11 +456,11 @@ def test_part3_a_collision_is_a_miss_and_an_empty_prompt_is_refused(rng):
 
 
 @seeded
-def test_part4_inserts_record_what_a_prefix_dictionary_records(rng):
+def test_part3_inserts_record_what_a_prefix_dictionary_records(rng):
     for _ in range(3):
         size = rng.randint(1, 4)
         vocab = rng.randint(2, 4)
-        cache, model = RadixCache(size, reference_hash), {}
+        cache, model = Cache(size, reference_hash), {}
         ids = iter(rng.sample(range(10**6), 400))
         for step in range(40):
             tokens = [rng.randrange(vocab) for _ in range(size * rng.randint(1, 5))]
@@ -441,7 +471,7 @@ def test_part4_inserts_record_what_a_prefix_dictionary_records(rng):
                 cached += 1
             for prefix, block in zip(prefixes, blocks, strict=True):
                 model.setdefault(prefix, block)
-            got = cache.insert(tokens, blocks)
+            got = insert(cache, tokens, blocks)
             assert got == cached, (
                 f"step {step}, block size {size}: insert({tokens}) returns the leading blocks "
                 f"cached already: expected {cached}, got {got}"
@@ -457,9 +487,9 @@ def test_part4_inserts_record_what_a_prefix_dictionary_records(rng):
 
 
 @seeded
-def test_part4_insert_takes_whole_blocks_only_and_checks_first(rng):
+def test_part3_insert_takes_whole_blocks_only_and_checks_first(rng):
     size = rng.randint(1, 6)
-    cache = RadixCache(size, reference_hash)
+    cache = Cache(size, reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 6))
     long = grow(cache, cache.root, [100 + t for t in range(2 * size)], [77_000, 77_001])
     before = snapshot(cache)
@@ -473,7 +503,7 @@ def test_part4_insert_takes_whole_blocks_only_and_checks_first(rng):
             blocks = [rng.randrange(50_000, 60_000)]
         want = f"insert takes whole blocks: {len(tokens)} tokens for {len(blocks)} blocks of {size}"
         with pytest.raises(ValueError) as raised:
-            cache.insert(tokens, blocks)
+            insert(cache, tokens, blocks)
         assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
         assert snapshot(cache) == before, (
             "a refused insert changes nothing (checked before the walk could split an edge)"
@@ -481,9 +511,9 @@ def test_part4_insert_takes_whole_blocks_only_and_checks_first(rng):
 
 
 @seeded
-def test_part4_insert_stamps_its_path_once(rng):
+def test_part3_insert_stamps_its_path_once(rng):
     size = rng.randint(1, 4)
-    cache, vocab = RadixCache(size, reference_hash), 3
+    cache, vocab = Cache(size, reference_hash), 3
     ids = iter(rng.sample(range(10**6), 400))
     for _ in range(25):
         for node in nodes(cache):
@@ -491,7 +521,7 @@ def test_part4_insert_stamps_its_path_once(rng):
         before = {id(n): n.last_access for n in nodes(cache)}
         cache._clock = clock = rng.randint(100, 10**6)
         tokens = [rng.randrange(vocab) for _ in range(size * rng.randint(1, 4))]
-        cache.insert(tokens, [next(ids) for _ in range(len(tokens) // size)])
+        insert(cache, tokens, [next(ids) for _ in range(len(tokens) // size)])
         assert cache._clock == clock + 1, "an insert is one use of its path: one tick"
         end = max(
             (n for n in nodes(cache) if tokens[: len(path_key(cache, n))] == path_key(cache, n)),
@@ -514,23 +544,23 @@ def test_part4_insert_stamps_its_path_once(rng):
 
 
 @seeded
-def test_part4_a_collision_records_nothing_and_a_new_leaf_is_evictable(rng):
+def test_part3_a_collision_records_nothing_and_a_new_leaf_is_evictable(rng):
     size = rng.randint(1, 4)
-    cache = RadixCache(size, colliding_hash)
+    cache = Cache(size, colliding_hash)
     first = [rng.randrange(50) for _ in range(size * rng.randint(1, 3))]
-    assert cache.insert(first, rng.sample(range(100), len(first) // size)) == 0
+    assert insert(cache, first, rng.sample(range(100), len(first) // size)) == 0
     model = paths(cache)
     other = list(first)
     other[rng.randrange(size)] += 1
     clock = cache._clock
-    assert cache.insert(other, rng.sample(range(200, 300), len(other) // size)) == 0, (
+    assert insert(cache, other, rng.sample(range(200, 300), len(other) // size)) == 0, (
         "nothing of the colliding prompt was cached"
     )
     assert paths(cache) == model and cache.total_size == len(model), (
         "another child sits under the new leaf's hash (a collision): nothing more is recorded"
     )
     assert cache._clock == clock + 1, "the path is used now all the same: one tick"
-    cache = RadixCache(size, reference_hash)
+    cache = Cache(size, reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 6))
     locked = rng.choice(made)
     node = locked
@@ -542,7 +572,7 @@ def test_part4_a_collision_records_nothing_and_a_new_leaf_is_evictable(rng):
     extra = rng.randint(1, 3)
     tokens = path_key(cache, locked) + [rng.randrange(1000, 2000) for _ in range(extra * size)]
     evictable = cache.evictable_size
-    cache.insert(tokens, [*rng.sample(range(10**5, 10**6), len(tokens) // size)])
+    insert(cache, tokens, [*rng.sample(range(10**5, 10**6), len(tokens) // size)])
     assert (cache.evictable_size, cache.protected_size) == (evictable + extra, protected), (
         f"the {extra} new blocks hang under a locked node as a new leaf, which is not locked: "
         f"evictable, got evictable {cache.evictable_size}, protected {cache.protected_size}"
@@ -562,9 +592,9 @@ def lock_refs(cache: RadixCache, locks: dict[int, int]) -> dict[int, int]:
 
 
 @seeded
-def test_part5_lock_ref_counts_the_locks_on_a_node_or_below(rng):
+def test_part4_lock_ref_counts_the_locks_on_a_node_or_below(rng):
     for _ in range(4):
-        cache = RadixCache(rng.randint(1, 4), reference_hash)
+        cache = Cache(rng.randint(1, 4), reference_hash)
         made = random_tree(rng, cache, rng.randint(1, 12))
         locks: dict[int, int] = {}
         for step in range(40):
@@ -595,8 +625,8 @@ def test_part5_lock_ref_counts_the_locks_on_a_node_or_below(rng):
 
 
 @seeded
-def test_part5_unlocking_a_node_that_is_not_locked_is_refused_and_changes_nothing(rng):
-    cache = RadixCache(rng.randint(1, 4), reference_hash)
+def test_part4_unlocking_a_node_that_is_not_locked_is_refused_and_changes_nothing(rng):
+    cache = Cache(rng.randint(1, 4), reference_hash)
     made = random_tree(rng, cache, rng.randint(2, 10))
     for node in rng.sample(made, rng.randint(0, len(made) - 1)):
         cache.lock(node)
@@ -610,8 +640,8 @@ def test_part5_unlocking_a_node_that_is_not_locked_is_refused_and_changes_nothin
 
 
 @seeded
-def test_part5_locking_or_unlocking_the_root_does_nothing(rng):
-    cache = RadixCache(rng.randint(1, 4), reference_hash)
+def test_part4_locking_or_unlocking_the_root_does_nothing(rng):
+    cache = Cache(rng.randint(1, 4), reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 8))
     for node in rng.sample(made, rng.randint(0, len(made))):
         cache.lock(node)
@@ -627,7 +657,7 @@ def test_part5_locking_or_unlocking_the_root_does_nothing(rng):
 
 def stamped_tree(rng):
     """A random tree with random stamps (ties likely) and some paths locked by hand."""
-    cache = RadixCache(rng.randint(1, 4), reference_hash)
+    cache = Cache(rng.randint(1, 4), reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 14))
     for node in reversed(made):  # children were made after their parents
         node.last_access = rng.randint(0, 6)
@@ -662,7 +692,7 @@ def expected_evict(cache: RadixCache, num_blocks: int) -> tuple[list[int], set[i
 
 
 @seeded
-def test_part6_evict_removes_unlocked_leaves_least_recently_used_first(rng):
+def test_part4_evict_removes_unlocked_leaves_least_recently_used_first(rng):
     for _ in range(8):
         cache, _ = stamped_tree(rng)
         for _ in range(3):
@@ -681,10 +711,10 @@ def test_part6_evict_removes_unlocked_leaves_least_recently_used_first(rng):
 
 
 @seeded
-def test_part6_a_parent_left_a_leaf_joins_with_its_own_age(rng):
+def test_part4_a_parent_left_a_leaf_joins_with_its_own_age(rng):
     for _ in range(4):
         size = rng.randint(1, 4)
-        cache = RadixCache(size, reference_hash)
+        cache = Cache(size, reference_hash)
         young, middle, old = sorted(rng.sample(range(1, 1000), 3), reverse=True)
         ids = iter(rng.sample(range(10_000), 12))
         parent = grow(cache, cache.root, [1] * size, [next(ids) for _ in range(1)])
@@ -704,7 +734,7 @@ def test_part6_a_parent_left_a_leaf_joins_with_its_own_age(rng):
 
 
 @seeded
-def test_part6_a_negative_count_is_refused_and_zero_evicts_nothing(rng):
+def test_part4_a_negative_count_is_refused_and_zero_evicts_nothing(rng):
     cache, _ = stamped_tree(rng)
     before = snapshot(cache)
     value = -rng.randint(1, 10**6)
@@ -716,7 +746,7 @@ def test_part6_a_negative_count_is_refused_and_zero_evicts_nothing(rng):
 
 
 @seeded
-def test_part6_only_locked_paths_survive_evicting_everything(rng):
+def test_part4_only_locked_paths_survive_evicting_everything(rng):
     for _ in range(6):
         cache, made = stamped_tree(rng)
         locked = {n.node_id for n in made if n.lock_ref}
@@ -735,3 +765,526 @@ def test_part6_only_locked_paths_survive_evicting_everything(rng):
         assert sorted(out) == sorted(b for n in made if n.node_id not in locked for b in n.blocks)
         assert (cache.evictable_size, cache.protected_size) == (0, protected)
         assert cache.evict(rng.randint(1, 5)) == [], "nothing evictable is left"
+
+
+# ---- Part 4.1: a sequence's block hashes ------------------------------------------------------
+
+
+def oracle_chain(tokens, size: int, count: int) -> list[int]:
+    """xxh64 of each block after its parent's 8 bytes, from the bytes (not block_hash)."""
+    hashes, last = [], None
+    for i in range(count):
+        data = (b"" if last is None else last.to_bytes(8, "little")) + b"".join(
+            t.to_bytes(4, "little") for t in tokens[i * size : (i + 1) * size]
+        )
+        last = xxhash.xxh64(data).intdigest()
+        hashes.append(last)
+    return hashes
+
+
+@seeded
+def test_part1_hash_blocks_grows_with_a_sequence_hashing_each_block_once(rng):
+    size = rng.randint(1, 8)
+    tokens = [rng.randrange(50_000) for _ in range(size * rng.randint(3, 12) + rng.randrange(size))]
+    calls = []
+
+    def counted(parent, block):
+        calls.append(tuple(block))
+        return block_hash(parent, block)
+
+    hashes: list[int] = []
+    shown = rng.randint(1, size)
+    while shown <= len(tokens):
+        full = shown // size
+        assert hash_blocks(hashes, tokens[:shown], size, full, counted) is hashes
+        assert hashes == oracle_chain(tokens, size, full), (
+            f"after {shown} tokens (block size {size}) the list holds the chained hash of each "
+            f"of the {full} full blocks"
+        )
+        shown += rng.randint(1, 2 * size)
+    assert len(calls) == len(hashes), (
+        f"{len(hashes)} blocks filled, {len(calls)} hashes computed: each block is hashed once"
+    )
+
+
+@seeded
+def test_part1_hash_blocks_refuses_blocks_the_tokens_do_not_fill(rng):
+    size = rng.randint(2, 8)
+    tokens = [
+        rng.randrange(100) for _ in range(size * rng.randint(1, 4) + rng.randint(1, size - 1))
+    ]
+    count = len(tokens) // size + 1
+    hashes = oracle_chain(tokens, size, rng.randint(0, count - 1))
+    before = list(hashes)
+    with pytest.raises(ValueError, match=r"^only full blocks are hashed: "):
+        hash_blocks(hashes, tokens, size, count)
+    assert hashes == before, "a refused call changes nothing"
+
+
+# ---- The BlockManager (parts 4.5-4.9): helpers ------------------------------------------------
+
+
+def chain_of(tokens, size: int, hash_function=reference_hash) -> list[int]:
+    hashes, last = [], None
+    for i in range(len(tokens) // size):
+        last = hash_function(last, list(tokens[i * size : (i + 1) * size]))
+        hashes.append(last)
+    return hashes
+
+
+def new_manager(size: int, gpu: int, cpu: int = 0) -> PrefixCachingBlockManager:
+    m = PrefixCachingBlockManager(size, gpu, cpu, watermark=0.0)
+    m.hash_function = reference_hash
+    return m
+
+
+def seed_prefix(m: PrefixCachingBlockManager, tokens) -> list[int]:
+    """Cached free blocks for the whole blocks of ``tokens``, put in by hand (tree + Phase 1)."""
+    size, allocator = m.block_size, m.gpu_allocator
+    hashes = chain_of(tokens, size, m.hash_function)
+    ids = [allocator.allocate().block_id for _ in hashes]
+    cached = m.tree.insert(list(tokens[: len(ids) * size]), ids, hashes)
+    for index, block_id in enumerate(ids):
+        block = allocator.blocks[block_id]
+        if index >= cached:
+            block.content_hash, block.num_hashed_tokens = hashes[index], (index + 1) * size
+        allocator.free(block)
+    return m.tree.match_prefix([*tokens[: len(ids) * size], 0], hashes).blocks
+
+
+def place(m: PrefixCachingBlockManager, seq_id: int, tokens) -> Sequence:
+    seq = Sequence(seq_id, list(tokens), m.block_size)
+    BlockManager.allocate(m, seq)
+    m._locked[seq_id], m._num_cached[seq_id], m._unmerged[seq_id] = m.tree.root, 0, seq
+    return seq
+
+
+def tree_paths(m: PrefixCachingBlockManager) -> dict[tuple[int, ...], int]:
+    """Every cached prefix (whole blocks) and the block that ends it."""
+    found: dict[tuple[int, ...], int] = {}
+    size = m.block_size
+
+    def walk(node, prefix):
+        for i, block in enumerate(node.blocks):
+            found[prefix + tuple(node.key[: (i + 1) * size])] = block
+        for child in node.children.values():
+            walk(child, prefix + tuple(node.key))
+
+    walk(m.tree.root, ())
+    return found
+
+
+def check_manager(m: PrefixCachingBlockManager, on_gpu: list[Sequence]) -> None:
+    """The manager's invariants, from the blocks, the tables and the tree."""
+    allocator, paths = m.gpu_allocator, tree_paths(m)
+    where = {}
+    for node in nodes(m.tree):
+        for index, block_id in enumerate(node.blocks):
+            assert block_id not in where, f"block {block_id} is in the tree twice"
+            where[block_id] = (node, index)
+    holders = [0] * allocator.num_blocks
+    for seq in on_gpu:
+        for block_id in seq.block_table:
+            holders[block_id] += 1
+    assert [b.ref_count for b in allocator.blocks] == holders, "ref_count != holders"
+    for block in allocator.blocks:
+        if block.block_id not in where:
+            assert block.content_hash is None, f"block {block.block_id}: a hash, not cached"
+            continue
+        node, index = where[block.block_id]
+        assert block.content_hash == node.hashes[index], f"block {block.block_id}: wrong hash"
+        assert (node.lock_ref > 0) == (block.ref_count > 0), (
+            f"block {block.block_id}: lock_ref {node.lock_ref}, ref_count {block.ref_count}"
+        )
+    assert len(allocator.evictor) == m.tree.evictable_size, "the Evictor and the tree disagree"
+    for seq in on_gpu:
+        size = m.block_size
+        for i, block_id in enumerate(seq.block_table):
+            if block_id in where:
+                assert paths.get(tuple(seq.token_ids[: (i + 1) * size])) == block_id, (
+                    f"sequence {seq.seq_id} holds cached block {block_id} at index {i}, which "
+                    "the tree keeps for another prefix"
+                )
+
+
+# ---- Part 4.5 ---------------------------------------------------------------------------------
+
+
+@seeded
+def test_part5_random_chunked_prefills_share_every_computed_block(rng):
+    size = rng.randint(1, 4)
+    bases = [[rng.randrange(6) for _ in range(size * rng.randint(1, 4))] for _ in range(3)]
+    m = new_manager(size, 400)
+    seqs = []
+    for seq_id in range(rng.randint(3, 7)):
+        tokens = rng.choice(bases) + [rng.randrange(6) for _ in range(rng.randint(1, 3 * size))]
+        seqs.append(place(m, seq_id, tokens))
+    for _ in range(12):
+        for seq in seqs:
+            seq.num_computed_tokens = min(
+                seq.num_tokens, seq.num_computed_tokens + rng.randint(0, 3)
+            )
+        m._merge_computed()
+        check_manager(m, seqs)
+        paths = tree_paths(m)
+        for seq in seqs:
+            full = seq.num_computed_tokens // size
+            for i in range(full):
+                prefix = tuple(seq.token_ids[: (i + 1) * size])
+                assert prefix in paths, (
+                    f"sequence {seq.seq_id} computed {seq.num_computed_tokens} tokens: its "
+                    f"block {i} must be cached after the merge"
+                )
+                assert seq.block_table[i] == paths[prefix], (
+                    f"sequence {seq.seq_id}, block {i}: it must hold the tree's block for that "
+                    "prefix (a duplicate is switched to the tree's and freed)"
+                )
+        distinct = {b for seq in seqs for b in seq.block_table}
+        assert m.num_free_gpu_blocks == 400 - len(distinct), "duplicates are freed"
+
+
+@seeded
+def test_part5_a_merge_hashes_only_the_blocks_filled_since_the_last(rng):
+    size = rng.randint(1, 4)
+    m = new_manager(size, 100)
+    calls = []
+
+    def counted(parent, block):
+        calls.append(1)
+        return reference_hash(parent, block)
+
+    m.hash_function = counted
+    seq = place(m, 0, [rng.randrange(9) for _ in range(size * rng.randint(3, 9) + 1)])
+    while seq.num_computed_tokens < seq.num_tokens:
+        seq.num_computed_tokens = min(seq.num_tokens, seq.num_computed_tokens + rng.randint(1, 5))
+        m._merge(seq)
+    assert len(calls) == seq.num_tokens // size, (
+        f"{seq.num_tokens // size} full blocks, {len(calls)} hashes: each block hashed once"
+    )
+
+
+# ---- Part 4.6 ---------------------------------------------------------------------------------
+
+
+@seeded
+def test_part6_make_room_evicts_what_the_free_list_lacks_oldest_prefix_first(rng):
+    size = rng.randint(1, 4)
+    count = rng.randint(2, 6)
+    lengths = [rng.randint(1, 3) for _ in range(count)]
+    pool = sum(lengths) + rng.randint(0, 4)
+    m = new_manager(size, pool)
+    prefixes = []
+    for i, blocks in enumerate(lengths):  # distinct first tokens: each prefix is a root leaf
+        tokens = [1000 + i] + [rng.randrange(5) for _ in range(blocks * size - 1)]
+        prefixes.append(seed_prefix(m, tokens))
+    order = list(range(count))
+    rng.shuffle(order)
+    leaves = {node.blocks[0]: node for node in m.tree.root.children.values()}
+    for stamp, i in enumerate(order):
+        leaves[prefixes[i][0]].last_access = stamp + 1
+    asked = rng.randint(0, pool)
+    free_list = pool - sum(lengths)
+    missing, gone = max(0, asked - free_list), set()
+    for i in order:  # the oracle: oldest whole leaves until enough are out
+        if missing <= 0:
+            break
+        gone.add(i)
+        missing -= lengths[i]
+    m._make_room(asked)
+    kept = {i for i in range(count) if set(prefixes[i]) <= set(tree_paths(m).values())}
+    assert kept == set(range(count)) - gone, (
+        f"{asked} free blocks asked for, {free_list} uncached free: the oldest prefixes go "
+        f"whole until enough are out; expected to keep {sorted(set(range(count)) - gone)}, "
+        f"kept {sorted(kept)}"
+    )
+    assert len(m.gpu_allocator.evictor) == m.tree.evictable_size
+    evicted = [b for i in gone for b in prefixes[i]]
+    assert all(m.gpu_allocator.blocks[b].content_hash is None for b in evicted)
+
+
+# ---- Part 4.7 ---------------------------------------------------------------------------------
+
+
+@seeded
+def test_part7_a_hit_is_the_longest_cached_block_aligned_prefix(rng):
+    size = rng.randint(1, 4)
+    m = new_manager(size, 300)
+    cached = []
+    for _ in range(rng.randint(1, 4)):
+        tokens = [rng.randrange(4) for _ in range(size * rng.randint(1, 5))]
+        ids = seed_prefix(m, tokens)
+        cached.append((tokens, ids))
+    paths = dict(tree_paths(m))
+    for seq_id in range(rng.randint(2, 6)):
+        base, _ = rng.choice(cached)
+        tokens = base[: rng.randint(1, len(base))] + [
+            rng.randrange(4) for _ in range(rng.randint(0, 6))
+        ]
+        limit = (len(tokens) - 1) // size
+        expected = []
+        for i in range(limit):
+            block = paths.get(tuple(tokens[: (i + 1) * size]))
+            if block is None:
+                break
+            expected.append(block)
+        seq = Sequence(seq_id, tokens, size)
+        assert m.num_cached_tokens(seq) == len(expected) * size
+        queries, hits = m.num_query_tokens, m.num_hit_tokens
+        m.allocate(seq)
+        assert seq.block_table[: len(expected)] == expected, (
+            f"prompt {tokens}: the hit is the tree's blocks {expected}, never the last token's"
+        )
+        assert seq.num_computed_tokens == len(expected) * size
+        assert (m.num_query_tokens - queries, m.num_hit_tokens - hits) == (
+            len(tokens),
+            len(expected) * size,
+        )
+        for i, block in enumerate(expected):  # the hit's blocks now hold another holder
+            paths[tuple(tokens[: (i + 1) * size])] = block
+        for i in range(len(expected), len(tokens) // size):
+            paths.setdefault(tuple(tokens[: (i + 1) * size]), None)
+        paths = {k: v for k, v in paths.items() if v is not None}
+
+
+@seeded
+def test_part7_can_allocate_charges_only_the_uncached_blocks_in_use(rng):
+    size = rng.randint(1, 4)
+    shared = [rng.randrange(9) for _ in range(size * rng.randint(1, 4))]
+    m = new_manager(size, len(shared) // size + 4)
+    seed_prefix(m, shared)
+    holder = Sequence(0, [*shared, 1], size)
+    m.allocate(holder)
+    extra = rng.randint(1, 4 * size)
+    other = Sequence(1, [*shared, *[2] * extra], size)
+    need = other.num_blocks - len(shared) // size
+    free = m.num_free_gpu_blocks
+    if other.num_blocks > m.num_gpu_blocks:
+        expected = AllocStatus.NEVER
+    elif need <= free:
+        expected = AllocStatus.OK
+    else:
+        expected = AllocStatus.LATER
+    assert m.can_allocate(other) is expected, (
+        f"{other.num_blocks} blocks, {len(shared) // size} cached and in use, {free} free: "
+        f"expected {expected.name}"
+    )
+
+
+# ---- Part 4.8 ---------------------------------------------------------------------------------
+
+
+def optimum(trace, size: int) -> list[int]:
+    seen, best = [], []
+    for prompt_ids, output in trace:
+        shared = 0
+        for earlier in seen:
+            common = 0
+            while (
+                common < min(len(earlier), len(prompt_ids))
+                and earlier[common] == prompt_ids[common]
+            ):
+                common += 1
+            shared = max(shared, common)
+        best.append(min(shared // size * size, (len(prompt_ids) - 1) // size * size))
+        seen.append((prompt_ids + output)[:-1])
+    return best
+
+
+@seeded
+def test_part8_random_traces_hit_the_block_aligned_optimum(rng):
+    size = rng.randint(1, 8)
+    stems = [[rng.randrange(7) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    trace = []
+    for _ in range(rng.randint(5, 15)):
+        if trace and rng.random() < 0.3:  # a chat turn: an earlier prompt and answer, then more
+            prompt_ids, output = rng.choice(trace)
+            prompt_ids = prompt_ids + output + [rng.randrange(7) for _ in range(rng.randint(1, 5))]
+        else:
+            prompt_ids = rng.choice(stems) + [rng.randrange(7) for _ in range(rng.randint(1, 9))]
+        trace.append((prompt_ids, [rng.randrange(7) for _ in range(rng.randint(1, 9))]))
+    m = new_manager(size, 2000)
+    hits = []
+    for seq_id, (prompt_ids, output) in enumerate(trace):
+        seq = Sequence(seq_id, prompt_ids, size)
+        m.allocate(seq)
+        hits.append(seq.num_computed_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        for token in output:
+            seq.append_token(token)
+            BlockManager.append_slot(m, seq)  # Phase 1's: its blocks are cached when freed
+            seq.num_computed_tokens = seq.num_tokens - 1
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        m.free(seq)
+        check_manager(m, [])
+    assert hits == optimum(trace, size), (
+        f"block size {size}: hits {hits}, the block-aligned optimum {optimum(trace, size)}"
+    )
+
+
+# ---- Part 4.9 ---------------------------------------------------------------------------------
+
+
+@seeded
+def test_part9_random_runs_keep_every_slot_holding_its_own_prefix(rng):
+    size = rng.randint(1, 3)
+    m = new_manager(size, rng.randint(6, 14), 12)
+    bases = [[rng.randrange(4) for _ in range(rng.randint(2, 8))] for _ in range(3)]
+    slots: dict = {}
+    gpu, cpu, next_id = [], [], 0
+
+    def write(seq, start, end):
+        for pos in range(start, end):
+            slots["gpu", seq.block_table[pos // size], pos % size] = tuple(seq.token_ids[: pos + 1])
+        seq.num_computed_tokens = end
+
+    def move(src, dst, mapping):
+        for a, b in mapping.items():
+            for off in range(size):
+                slots[dst, b, off] = slots.get((src, a, off))
+
+    for _ in range(120):
+        op = rng.choice(["admit", "decode", "decode", "fork", "free", "swap_out", "swap_in"])
+        if op == "admit":
+            seq = Sequence(next_id, [*rng.choice(bases), rng.randrange(4)], size)
+            next_id += 1
+            if m.can_allocate(seq) is AllocStatus.OK:
+                m.allocate(seq)
+                write(seq, seq.num_computed_tokens, seq.num_tokens)
+                seq.append_token(rng.randrange(4))
+                gpu.append(seq)
+        elif op == "decode" and gpu:
+            seq = rng.choice(gpu)
+            if m.can_append_slot(seq):
+                copy = m.append_slot(seq)
+                if copy is not None:
+                    move("gpu", "gpu", {copy[0]: copy[1]})
+                write(seq, seq.num_tokens - 1, seq.num_tokens)
+                seq.append_token(rng.randrange(4))
+        elif op == "fork" and gpu:
+            parent = rng.choice(gpu)
+            child = Sequence(next_id, parent.token_ids, size)
+            next_id += 1
+            m.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            gpu.append(child)
+        elif op == "free" and gpu:
+            seq = rng.choice(gpu)
+            gpu.remove(seq)
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            m.free(seq)
+        elif op == "swap_out" and gpu:
+            seq = rng.choice(gpu)
+            if m.can_swap_out([seq]):
+                move("gpu", "cpu", m.swap_out([seq]))
+                gpu.remove(seq)
+                cpu.append(seq)
+        elif op == "swap_in" and cpu:
+            seq = rng.choice(cpu)
+            if m.can_swap_in([seq]) is AllocStatus.OK:
+                move("cpu", "gpu", m.swap_in([seq]))
+                cpu.remove(seq)
+                gpu.append(seq)
+        check_manager(m, gpu)
+        for seq in gpu:
+            for pos in range(seq.num_computed_tokens):
+                got = slots.get(("gpu", seq.block_table[pos // size], pos % size))
+                assert got == tuple(seq.token_ids[: pos + 1]), (
+                    f"after {op}: sequence {seq.seq_id} position {pos} reads the K/V of "
+                    f"{got}, not of its own prefix"
+                )
+
+
+@seeded
+def test_part6_make_room_never_touches_a_locked_prefix_and_frees_without_content(rng):
+    size = rng.randint(1, 4)
+    count = rng.randint(2, 5)
+    m = new_manager(size, count * 3 + rng.randint(0, 3))
+    prefixes = [
+        seed_prefix(m, [2000 + i] + [1] * (size * rng.randint(1, 3) - 1)) for i in range(count)
+    ]
+    locked = rng.sample(range(count), rng.randint(1, count - 1))
+    for i in locked:
+        node = m.tree.root.children[
+            next(h for h, n in m.tree.root.children.items() if n.blocks[0] == prefixes[i][0])
+        ]
+        for block_id in prefixes[i]:
+            m.gpu_allocator.reuse(block_id)
+        m.tree.lock(node)
+    m._make_room(m.num_gpu_blocks)
+    cached = set(tree_paths(m).values())
+    for i in range(count):
+        if i in locked:
+            assert set(prefixes[i]) <= cached, f"locked prefix {i} was evicted"
+        else:
+            assert not set(prefixes[i]) & cached, f"unlocked prefix {i} should have gone"
+            for block_id in prefixes[i]:
+                block = m.gpu_allocator.blocks[block_id]
+                assert block.content_hash is None and block_id not in m.gpu_allocator.evictor
+    assert len(m.gpu_allocator.evictor) == m.tree.evictable_size == 0
+
+
+@seeded
+def test_part8_identical_prompts_freed_unmerged_leave_one_cached_copy(rng):
+    size = rng.randint(1, 4)
+    tokens = [rng.randrange(9) for _ in range(size * rng.randint(1, 5) + rng.randint(1, size))]
+    m = new_manager(size, 200)
+    seqs = [Sequence(i, tokens, size) for i in range(rng.randint(2, 5))]
+    for seq in seqs:
+        m.allocate(seq)  # the same step: none computed yet, no hit
+    for seq in seqs:
+        seq.num_computed_tokens, seq.is_prefill = seq.num_tokens, False
+        seq.append_token(1)
+    rng.shuffle(seqs)
+    for index, seq in enumerate(seqs):
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        m.free(seq)
+        check_manager(m, seqs[index + 1 :])
+    assert m.tree.total_size == len(tokens) // size, "one cached copy of each full block"
+    assert len(m.gpu_allocator.evictor) == len(tokens) // size, "the duplicates are uncached"
+    assert m.num_free_gpu_blocks == 200 and not m._counted
+
+
+@seeded
+def test_part8_forked_children_lock_the_parents_path(rng):
+    size = rng.randint(1, 4)
+    m = new_manager(size, 200)
+    parent = Sequence(0, [rng.randrange(9) for _ in range(size * rng.randint(1, 4) + 1)], size)
+    m.allocate(parent)
+    parent.num_computed_tokens, parent.is_prefill = parent.num_tokens, False
+    parent.append_token(2)
+    children = []
+    for i in range(rng.randint(1, 4)):
+        child = Sequence(i + 1, parent.token_ids, size)
+        m.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        children.append(child)
+    group = [parent, *children]
+    check_manager(m, group)
+    node = m._locked[0]
+    assert all(m._locked[c.seq_id] is node for c in children)
+    assert node.lock_ref == len(group), f"lock_ref {node.lock_ref}, {len(group)} holders"
+    rng.shuffle(group)
+    for seq in group:
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        m.free(seq)
+    assert all(n.lock_ref == 0 for n in nodes(m.tree))
+
+
+@seeded
+def test_part9_swap_out_then_in_goes_back_onto_the_trees_blocks(rng):
+    size = rng.randint(1, 4)
+    tokens = [rng.randrange(9) for _ in range(size * rng.randint(1, 4) + rng.randint(1, size))]
+    m = new_manager(size, 100, 100)
+    seq = Sequence(0, tokens, size)
+    m.allocate(seq)
+    seq.num_computed_tokens, seq.is_prefill = seq.num_tokens, False
+    seq.append_token(3)
+    m.append_slot(seq)
+    cached = seq.block_table[: len(tokens) // size]
+    m.swap_out([seq])
+    assert m.tree.protected_size == 0 and m.tree.evictable_size == len(cached)
+    check_manager(m, [])
+    m.swap_in([seq])
+    m.append_slot(seq)
+    assert seq.block_table[: len(cached)] == cached, "the next decode merges it back"
+    check_manager(m, [seq])

@@ -97,7 +97,7 @@ def make_engine(folder, rng: random.Random, kv: dict[str, str | bool]) -> LLMEng
     engine.runner.model = PoisonedModel(engine.runner.model)
     manager = engine.scheduler.block_manager
     if kv.get("enable_prefix_caching") and rng.random() < 0.5:
-        manager.tree.hash_function = lambda parent, tokens: block_hash(parent, tokens) % 4
+        manager.hash_function = lambda parent, tokens: block_hash(parent, tokens) % 4
     if engine.cache_engine.residual is not None:
         check_residual_after_each_apply(engine)
     return engine

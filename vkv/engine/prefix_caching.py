@@ -1,9 +1,17 @@
-"""PrefixCachingBlockManager: the BlockManager of Phase 1 with a RadixCache of Phase 4 (given).
+"""PrefixCachingBlockManager: the BlockManager of Phase 1 with a RadixCache (Phase 4, graded).
 
 With prefix caching, a full block whose K/V are computed is recorded in a radix tree under the
 tokens it holds (and every token before them), and a new prompt starts from the longest cached
 prefix instead of computing it again. This class adds that to the BlockManager; it changes no
 rule of Phase 1 for blocks that are not cached.
+
+Parts 4.5-4.9 (``assignment/phase4.md``): caching what a prefill computed (4.5), eviction
+through the tree (4.6), allocate with a hit (4.7), free into the tree and fork (4.8), decode and
+swap (4.9). With prefix caching off the engine never uses this class.
+
+Hashes: a sequence's block hashes are its own (``seq.block_hashes``), each computed once when the
+block is full (``_block_hashes``, given, through part 4.1's ``hash_blocks``) and handed to the
+tree, which never hashes.
 
 Which blocks are cached, and when:
 
@@ -54,12 +62,30 @@ not counted (its "hits" are its own blocks, vLLM's issue 25780).
 
 from vkv.engine.block import Device, NoFreeBlocksError
 from vkv.engine.block_manager import AllocStatus, BlockManager
-from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode
+from vkv.engine.radix_cache import (
+    HashFunction,
+    MatchResult,
+    RadixCache,
+    TreeNode,
+    block_hash,
+    hash_blocks,
+)
 from vkv.engine.sequence import Sequence
 
 
 class PrefixCachingBlockManager(BlockManager):
-    """A BlockManager whose full, computed GPU blocks are shared through a RadixCache."""
+    """A BlockManager whose full, computed GPU blocks are shared through a RadixCache.
+
+    The data it owns (given; the tests read it by these names):
+    - ``tree``: the RadixCache of the cached blocks;
+    - ``hash_function``: the chained hash the sequences' blocks are hashed with (``block_hash``);
+    - ``_locked``: seq id -> the tree node its cached path ends at, for every sequence on the GPU
+      (the root for one that holds no cached block);
+    - ``_num_cached``: seq id -> how many leading blocks of its table are the tree's blocks;
+    - ``_unmerged``: seq id -> sequence, for those allocated or swapped in whose computed blocks
+      are not all merged into the tree yet (their prefill goes on, or they have not decoded);
+    - ``_counted``: the ids of the sequences counted in ``num_query_tokens``/``num_hit_tokens``.
+    """
 
     def __init__(
         self,
@@ -70,28 +96,160 @@ class PrefixCachingBlockManager(BlockManager):
     ) -> None:
         super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark)
         self.tree = RadixCache(block_size)
-        self._locked: dict[int, TreeNode] = {}  # seq id -> the node of its cached path
-        self._num_cached: dict[int, int] = {}  # seq id -> leading table blocks in the tree
-        self._unmerged: dict[int, Sequence] = {}  # allocated or swapped in, prefill not merged
-        self._counted: set[int] = set()  # sequences counted in the hit stats
+        self.hash_function: HashFunction = block_hash
+        self._locked: dict[int, TreeNode] = {}
+        self._num_cached: dict[int, int] = {}
+        self._unmerged: dict[int, Sequence] = {}
+        self._counted: set[int] = set()
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
 
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The sequence's ``block_hashes``, extended to its first ``num_blocks`` full blocks
+        (given: ``hash_blocks`` of part 4.1 hashes only the blocks not hashed yet)."""
+        return hash_blocks(
+            seq.block_hashes, seq.token_ids, self.block_size, num_blocks, self.hash_function
+        )
+
+    # -- part 4.5: caching the blocks a prefill computed -------------------------------------
+
+    def _merge_computed(self) -> None:
+        """Merge (``_merge``) every unmerged sequence whose computed tokens fill more blocks than
+        it has in the tree (``_num_cached``), or whose prefill is done (``seq.is_prefill`` is
+        False: the scheduler ends it once every prompt token is computed). Called before every
+        admission decision, so a prompt admitted a step after another reuses its blocks."""
+        ### BEGIN SOLUTION part4.5
+        for seq in list(self._unmerged.values()):
+            full = seq.num_computed_tokens // self.block_size
+            if full > self._num_cached[seq.seq_id] or not seq.is_prefill:
+                self._merge(seq)
+        ### END SOLUTION
+
+    def _cache(self, seq: Sequence) -> MatchResult:
+        """Insert the sequence's computed full blocks into the tree; return the tree's path for
+        them (``MatchResult``: the tree's blocks for those tokens, and the node they end at).
+
+        Blocks the tree did not have become cached: their ``content_hash`` is set to the block's
+        hash and ``num_hashed_tokens`` to the tokens up to the end of the block. Where the tree
+        had blocks already, its own ones are on the returned path and the sequence's are
+        duplicates, left uncached. Only blocks the sequence holds alone can become cached: the
+        offer stops before an uncached block another sequence holds too (a fork's, whose other
+        holder locks no path to it)."""
+        ### BEGIN SOLUTION part4.5
+        blocks, num_blocks = self.gpu_allocator.blocks, seq.num_computed_tokens // self.block_size
+        for index, block_id in enumerate(seq.block_table[:num_blocks]):
+            if blocks[block_id].ref_count > 1 and blocks[block_id].content_hash is None:
+                num_blocks = index
+                break
+        hashes = self._block_hashes(seq, num_blocks)
+        tokens = seq.token_ids[: num_blocks * self.block_size]
+        self.tree.insert(tokens, seq.block_table[:num_blocks], hashes)
+        path = self.tree.match_prefix([*tokens, 0], hashes)  # one token more: it may take all
+        for index, block_id in enumerate(path.blocks):
+            block = blocks[block_id]
+            if block_id == seq.block_table[index] and block.content_hash is None:
+                block.content_hash = hashes[index]
+                block.num_hashed_tokens = (index + 1) * self.block_size
+        return path
+        ### END SOLUTION
+
+    def _merge(self, seq: Sequence) -> None:
+        """Cache a running sequence's computed blocks (``_cache``) and switch it to the tree's
+        copies: a duplicate in its table is replaced by the tree's block (one more holder) and
+        freed. It then locks the path's end instead of the node it locked before, and stays
+        unmerged while its prefill goes on (``seq.is_prefill``)."""
+        ### BEGIN SOLUTION part4.5
+        path = self._cache(seq)
+        for index, block_id in enumerate(path.blocks):
+            own = seq.block_table[index]
+            if own != block_id:
+                self.gpu_allocator.reuse(block_id)
+                self.gpu_allocator.free(self.gpu_allocator.blocks[own])
+                seq.block_table[index] = block_id
+        self.tree.lock(path.node)
+        self._release(seq)
+        self._locked[seq.seq_id] = path.node
+        self._num_cached[seq.seq_id] = len(path.blocks)
+        if seq.is_prefill:
+            self._unmerged[seq.seq_id] = seq
+        ### END SOLUTION
+
+    def _release(self, seq: Sequence) -> None:
+        """Unlock the sequence's cached path and forget its records (``_locked``,
+        ``_num_cached``, ``_unmerged``): it is about to drop or move its GPU blocks. A sequence
+        without a record is left as it is."""
+        ### BEGIN SOLUTION part4.5
+        self.tree.unlock(self._locked.pop(seq.seq_id, self.tree.root))
+        self._num_cached.pop(seq.seq_id, None)
+        self._unmerged.pop(seq.seq_id, None)
+        ### END SOLUTION
+
+    # -- part 4.6: eviction through the tree --------------------------------------------------
+
+    def _make_room(self, num_blocks: int) -> None:
+        """Make the free list (the free blocks without content) hold at least ``num_blocks``
+        blocks, by evicting the tree's least recently used unlocked leaves (``RadixCache.evict``)
+        for what it lacks, and no more. Each evicted block leaves the Evictor, loses its content
+        (``content_hash`` None, ``num_hashed_tokens`` 0) and goes to the free list, so the
+        allocator never picks a victim of its own. Asking for more than can be made free evicts
+        everything evictable (the allocation after it then fails as Phase 1's would)."""
+        ### BEGIN SOLUTION part4.6
+        uncached_free = self.num_free_gpu_blocks - self.tree.evictable_size
+        if num_blocks <= uncached_free:
+            return
+        for block_id in self.tree.evict(num_blocks - uncached_free):
+            block = self.gpu_allocator.reuse(block_id)
+            block.content_hash, block.num_hashed_tokens = None, 0
+            self.gpu_allocator.free(block)
+        ### END SOLUTION
+
+    # -- part 4.7: allocate with a hit -----------------------------------------------------
+
+    def _match(self, seq: Sequence) -> MatchResult:
+        """The tree's longest cached prefix of the sequence's tokens (at most ``(num_tokens - 1)
+        // block_size`` blocks, never the last token's), once the prefills computed since the
+        last admission are merged (``_merge_computed``)."""
+        ### BEGIN SOLUTION part4.7
+        self._merge_computed()
+        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        return self.tree.match_prefix(seq.token_ids, hashes)
+        ### END SOLUTION
+
+    def _need(self, seq: Sequence, hit: MatchResult) -> int:
+        """Free GPU blocks the prompt takes: all its blocks but the cached ones in use (a cached
+        block in the Evictor is free, and taking it back costs a free block)."""
+        ### BEGIN SOLUTION part4.7
+        in_use = sum(self.gpu_allocator.blocks[block_id].ref_count > 0 for block_id in hit.blocks)
+        return seq.num_blocks - in_use
+        ### END SOLUTION
+
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of the prompt whose blocks the tree holds (what ``allocate`` reuses)."""
+        ### BEGIN SOLUTION part4.7
         return len(self._match(seq).blocks) * self.block_size
+        ### END SOLUTION
 
     def can_allocate(self, seq: Sequence) -> AllocStatus:
         """As Phase 1's, but cached blocks that are in use cost nothing: the need is the prompt's
-        blocks less those. NEVER still compares the whole prompt with the pool; a prompt that
-        fits whole is OK without a look at the tree (hits only lower the need)."""
+        blocks less those (``_need``). NEVER still compares the whole prompt with the pool; a
+        prompt that fits whole is OK without a look at the tree (hits only lower the need)."""
+        ### BEGIN SOLUTION part4.7
         status = self._fit_status(seq.num_blocks)
         if status is not AllocStatus.LATER:
             return status
         return self._fit_status(self._need(seq, self._match(seq)))
+        ### END SOLUTION
 
     def allocate(self, seq: Sequence) -> None:
-        """Phase 1's ``allocate``, starting from the longest cached prefix (see the module doc)."""
+        """Phase 1's ``allocate``, starting from the longest cached prefix (``_match``): its
+        blocks are taken back (``BlockAllocator.reuse``) and its path locked, the other blocks
+        are new (room made first, ``_make_room``), and ``seq.num_computed_tokens`` is the tokens
+        the cached blocks hold. The sequence is recorded (``_locked``, ``_num_cached``,
+        ``_unmerged``) and, on its first admission only, counted: ``num_query_tokens`` gains its
+        tokens and ``num_hit_tokens`` the cached ones. Phase 1's errors, checked first; the
+        ``NoFreeBlocksError`` compares ``_need`` with the free blocks ("sequence 2 needs 2 GPU
+        blocks, 1 are free") and changes nothing."""
+        ### BEGIN SOLUTION part4.7
         self._require_device(seq, None)
         self._require_block_size(seq)
         hit = self._match(seq)
@@ -117,11 +275,49 @@ class PrefixCachingBlockManager(BlockManager):
             self._counted.add(seq.seq_id)
             self.num_query_tokens += seq.num_tokens
             self.num_hit_tokens += seq.num_computed_tokens
+        ### END SOLUTION
+
+    # -- part 4.8: free into the tree, fork ------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Phase 1's ``free``; a sequence on the GPU first offers its computed full blocks to the
+        tree (``_cache``: its duplicates of blocks the tree has are freed as usual, its cached
+        blocks go to the Evictor) and gives up its hold (``_release``). A finished sequence
+        leaves ``_counted`` (a re-admission after a preemption by recompute is not counted)."""
+        ### BEGIN SOLUTION part4.8
+        if self._device_of.get(seq.seq_id) is Device.GPU:
+            self._cache(seq)
+            self._release(seq)
+        BlockManager.free(self, seq)
+        if seq.is_finished:
+            self._counted.discard(seq.seq_id)
+        ### END SOLUTION
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Phase 1's ``fork``; the parent's computed full blocks are merged first (all of them,
+        also those computed since its first decode), and the child locks the parent's cached
+        path and takes its ``_num_cached``: every full block the two share is on a path both
+        lock (a later write to a shared partial block copies it)."""
+        ### BEGIN SOLUTION part4.8
+        self._require_device(parent, Device.GPU)
+        self._require_device(child, None)
+        self._require_block_size(child)
+        self._merge(parent)
+        BlockManager.fork(self, parent, child)
+        node = self._locked[parent.seq_id]
+        self.tree.lock(node)
+        self._locked[child.seq_id] = node
+        self._num_cached[child.seq_id] = self._num_cached[parent.seq_id]
+        ### END SOLUTION
+
+    # -- part 4.9: decode (copy-on-write) and swap -----------------------------------------
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Phase 1's ``append_slot``; at a sequence's first decode, its computed blocks are merged
         into the tree first (if no admission did it), and a token that needs a block (a new one,
-        or a copy of the shared last one) first makes room for it."""
+        or a copy of the shared last one) first makes room for it (``_make_room``): a copy on
+        write never fails while a cached free block could be evicted."""
+        ### BEGIN SOLUTION part4.9
         if self._device_of.get(seq.seq_id) is not self.gpu_allocator.device:  # as Phase 1's
             self._require_device(seq, Device.GPU)  # raises: its blocks are not on the GPU
         if seq.seq_id in self._unmerged:
@@ -131,129 +327,30 @@ class PrefixCachingBlockManager(BlockManager):
         if seq.num_tokens <= len(table) * self.block_size and last.ref_count == 1:
             return None  # Phase 1's common case, checked here as there: nothing to allocate
         self._make_room(self._blocks_to_append(seq))
-        return super().append_slot(seq)
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Phase 1's ``fork``; the parent's computed full blocks are merged first (all of them,
-        also those computed since its first decode), and the child locks the parent's cached
-        path: every full block the two share is on a path both lock (a later write to a shared
-        partial block copies it)."""
-        self._require_device(parent, Device.GPU)
-        self._require_device(child, None)
-        self._require_block_size(child)
-        self._merge(parent)
-        super().fork(parent, child)
-        node = self._locked[parent.seq_id]
-        self.tree.lock(node)
-        self._locked[child.seq_id] = node
-        self._num_cached[child.seq_id] = self._num_cached[parent.seq_id]
-
-    def free(self, seq: Sequence) -> None:
-        """Phase 1's ``free``; a sequence on the GPU first offers its computed full blocks to the
-        tree (its duplicates of blocks the tree has are freed as usual)."""
-        if self._device_of.get(seq.seq_id) is Device.GPU:
-            self._cache(seq)
-            self._release(seq)
-        super().free(seq)
-        if seq.is_finished:
-            self._counted.discard(seq.seq_id)
+        return BlockManager.append_slot(self, seq)
+        ### END SOLUTION
 
     def swap_out(self, seqs: list[Sequence]) -> dict[int, int]:
-        """Phase 1's ``swap_out``; each sequence first gives up its hold on the tree."""
+        """Phase 1's ``swap_out`` (which refuses a group sharing blocks with another sequence,
+        ``can_swap_out``); each sequence first gives up its hold on the tree (``_release``):
+        its cached blocks stay cached, evictable, and the CPU copies are not cached."""
+        ### BEGIN SOLUTION part4.9
         self._require_group_on(seqs, Device.GPU)
         for seq in seqs:
             self._release(seq)
-        return super().swap_out(seqs)
+        return BlockManager.swap_out(self, seqs)
+        ### END SOLUTION
 
     def swap_in(self, seqs: list[Sequence]) -> dict[int, int]:
-        """Phase 1's ``swap_in``, after making room for the group's blocks."""
+        """Phase 1's ``swap_in``, after making room for the group's blocks; each sequence comes
+        back with no block in the tree (``_num_cached`` 0) and unmerged, so that its next decode
+        merges it back onto the tree's blocks."""
+        ### BEGIN SOLUTION part4.9
         self._require_group_on(seqs, Device.CPU)
         self._make_room(self.swapper.num_blocks(seqs))
-        mapping = super().swap_in(seqs)
+        mapping = BlockManager.swap_in(self, seqs)
         for seq in seqs:
             self._num_cached[seq.seq_id] = 0
             self._unmerged[seq.seq_id] = seq
         return mapping
-
-    def _match(self, seq: Sequence) -> MatchResult:
-        """The tree's longest cached prefix of the sequence's tokens, once the prefills computed
-        since the last admission are in the tree (``_merge_computed``)."""
-        self._merge_computed()
-        return self.tree.match_prefix(seq.token_ids)
-
-    def _merge_computed(self) -> None:
-        """Merge every unmerged sequence whose prefill computed a full block more, or all."""
-        for seq in list(self._unmerged.values()):
-            full = seq.num_computed_tokens // self.block_size
-            if full > self._num_cached[seq.seq_id] or seq.num_computed_tokens >= seq.num_tokens - 1:
-                self._merge(seq)
-
-    def _need(self, seq: Sequence, hit: MatchResult) -> int:
-        """Free GPU blocks the prompt takes: all its blocks but the cached ones in use."""
-        in_use = sum(self.gpu_allocator.blocks[block_id].ref_count > 0 for block_id in hit.blocks)
-        return seq.num_blocks - in_use
-
-    def _make_room(self, num_blocks: int) -> None:
-        """Evict cached blocks (the tree's LRU leaves) until the free list holds ``num_blocks``."""
-        uncached_free = self.num_free_gpu_blocks - self.tree.evictable_size
-        if num_blocks <= uncached_free:
-            return
-        for block_id in self.tree.evict(num_blocks - uncached_free):
-            block = self.gpu_allocator.reuse(block_id)
-            block.content_hash, block.num_hashed_tokens = None, 0
-            self.gpu_allocator.free(block)
-
-    def _cache(self, seq: Sequence) -> MatchResult:
-        """Insert the sequence's computed full blocks; return the tree's path for them.
-
-        Blocks the tree did not have become cached (their content hash is set); where it had
-        blocks already, its own ones are on the returned path and the sequence's are duplicates.
-        Only blocks the sequence holds alone can become cached: the offer stops before an
-        uncached block another sequence holds too (a fork's, whose holder locks no path to it).
-        """
-        blocks, num_blocks = self.gpu_allocator.blocks, seq.num_computed_tokens // self.block_size
-        for index, block_id in enumerate(seq.block_table[:num_blocks]):
-            if blocks[block_id].ref_count > 1 and blocks[block_id].content_hash is None:
-                num_blocks = index
-                break
-        tokens = seq.token_ids[: num_blocks * self.block_size]
-        self.tree.insert(tokens, seq.block_table[:num_blocks])
-        path = self.tree.match_prefix([*tokens, 0])  # one more token: the match may take all
-        hashes = _path_hashes(path.node)
-        for index, block_id in enumerate(path.blocks):
-            block = blocks[block_id]
-            if block_id == seq.block_table[index] and block.content_hash is None:
-                block.content_hash = hashes[index]
-                block.num_hashed_tokens = (index + 1) * self.block_size
-        return path
-
-    def _merge(self, seq: Sequence) -> None:
-        """Cache a running sequence's computed blocks and switch it to the tree's copies."""
-        path = self._cache(seq)
-        for index, block_id in enumerate(path.blocks):
-            own = seq.block_table[index]
-            if own != block_id:
-                self.gpu_allocator.reuse(block_id)
-                self.gpu_allocator.free(self.gpu_allocator.blocks[own])
-                seq.block_table[index] = block_id
-        self.tree.lock(path.node)
-        self._release(seq)
-        self._locked[seq.seq_id] = path.node
-        self._num_cached[seq.seq_id] = len(path.blocks)
-        if seq.num_computed_tokens < seq.num_tokens - 1:  # its prefill goes on
-            self._unmerged[seq.seq_id] = seq
-
-    def _release(self, seq: Sequence) -> None:
-        """Unlock the sequence's cached path (it is about to drop or move its GPU blocks)."""
-        self.tree.unlock(self._locked.pop(seq.seq_id, self.tree.root))
-        self._num_cached.pop(seq.seq_id, None)
-        self._unmerged.pop(seq.seq_id, None)
-
-
-def _path_hashes(node: TreeNode) -> list[int]:
-    """The chained hash of every block from the root down to ``node``."""
-    hashes: list[int] = []
-    while node.parent is not None:
-        hashes[:0] = node.hashes
-        node = node.parent
-    return hashes
+        ### END SOLUTION

@@ -20,15 +20,23 @@ with each token as 4 little-endian bytes and the parent hash as 8 little-endian 
 is found in ``children`` by the hash of its first block. A hash is never trusted alone: the
 tokens are compared on every hit, and a collision (same hash, other tokens) is a miss.
 
+The hashes are the sequence's, not the tree's (vLLM v1's ``Request.block_hashes``): a sequence
+hashes each of its blocks once, when the block is full (``hash_blocks``), and hands the list to
+``match_prefix`` and ``insert``; the tree never hashes. ``block_hashes[i]`` is the chained hash
+of block ``i`` of ``token_ids``; a call may pass more hashes than it uses, never fewer.
+
 Operations (``n`` = tokens of the prompt):
 
-- ``match_prefix(token_ids)``: the longest cached prefix of whole blocks, never covering the
-  last token (its logits must be computed, so at most ``(n - 1) // block_size`` blocks). A
-  match that ends inside an edge splits the node there, so that the match ends at a node.
+- ``hash_blocks(hashes, token_ids, block_size, num_blocks)``: extend a sequence's list of
+  block hashes to its first ``num_blocks`` blocks, hashing only the blocks not hashed yet.
+- ``match_prefix(token_ids, block_hashes)``: the longest cached prefix of whole blocks, never
+  covering the last token (its logits must be computed, so at most ``(n - 1) // block_size``
+  blocks). A match that ends inside an edge splits the node there, so that the match ends at a node.
   Returns the matched blocks and that node; every node on its path is *used now*.
-- ``insert(token_ids, blocks)``: record that ``blocks`` hold ``token_ids`` (whole blocks).
-  Returns how many leading blocks were cached already: the tree keeps its own blocks for those,
-  and the caller frees its duplicates. The new blocks become a leaf (a node split if needed).
+- ``insert(token_ids, blocks, block_hashes)``: record that ``blocks`` hold ``token_ids``
+  (whole blocks). Returns how many leading blocks were cached already: the tree keeps its own
+  blocks for those, and the caller frees its duplicates. The new blocks become a leaf (a node
+  split if needed).
 - ``lock(node)`` / ``unlock(node)``: a sequence using a path locks its last node; a lock counts
   on every node from there up to the root (not the root itself). A locked node is *protected*,
   an unlocked one *evictable*.
@@ -74,6 +82,35 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     ### END SOLUTION
 
 
+def hash_blocks(
+    hashes: list[int],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    hash_function: HashFunction = block_hash,
+) -> list[int]:
+    """Extend ``hashes`` in place to the chained hashes of the first ``num_blocks`` blocks of
+    ``token_ids``, and return it. ``hashes`` holds the hashes of the leading blocks hashed so
+    far (a sequence's ``block_hashes``, tokens only ever appended): those are kept as they are,
+    and each missing block is hashed once with ``hash_function``, from the hash before it. A
+    list that already holds ``num_blocks`` hashes or more is returned unchanged. Only full
+    blocks are hashed: ``ValueError(f"only full blocks are hashed: {num_blocks} blocks of
+    {block_size} need {num_blocks * block_size} tokens, the sequence has {len(token_ids)}")``,
+    and no change, when the tokens do not fill ``num_blocks`` blocks."""
+    ### BEGIN SOLUTION part4.1
+    if num_blocks * block_size > len(token_ids):
+        raise ValueError(
+            f"only full blocks are hashed: {num_blocks} blocks of {block_size} need "
+            f"{num_blocks * block_size} tokens, the sequence has {len(token_ids)}"
+        )
+    parent = hashes[-1] if hashes else None
+    for index in range(len(hashes), num_blocks):
+        parent = hash_function(parent, token_ids[index * block_size : (index + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+    ### END SOLUTION
+
+
 @dataclass(slots=True, eq=False)
 class TreeNode:
     """One edge of the tree and the node it ends at (see the module docstring)."""
@@ -104,11 +141,10 @@ class MatchResult:
 class RadixCache:
     """A radix tree of cached block runs; see the module docstring for the rules."""
 
-    def __init__(self, block_size: int, hash_function: HashFunction = block_hash) -> None:
+    def __init__(self, block_size: int) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
-        self.hash_function = hash_function
         self.root = TreeNode()
         self.evictable_size = 0
         self.protected_size = 0
@@ -135,11 +171,13 @@ class RadixCache:
         """Tokens of block ``index`` of ``token_ids``."""
         return list(token_ids[index * self.block_size : (index + 1) * self.block_size])
 
-    def _child(self, node: TreeNode, token_ids: Sequence[int], index: int) -> TreeNode | None:
-        """The child of ``node`` whose edge starts with block ``index`` of ``token_ids``, tokens
-        compared (a hash collision is a miss); given."""
+    def _child(
+        self, node: TreeNode, token_ids: Sequence[int], block_hashes: Sequence[int], index: int
+    ) -> TreeNode | None:
+        """The child of ``node`` whose edge starts with block ``index`` of ``token_ids``, found
+        by that block's hash and tokens compared (a hash collision is a miss); given."""
         block = self._block(token_ids, index)
-        child = node.children.get(self.hash_function(node.last_hash, block))
+        child = node.children.get(block_hashes[index])
         if child is None or child.key[: self.block_size] != block:
             return None
         return child
@@ -188,19 +226,19 @@ class RadixCache:
         return head
         ### END SOLUTION
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], block_hashes: Sequence[int]) -> MatchResult:
         """The longest cached prefix of ``token_ids`` in whole blocks, at most ``(len - 1) //
         block_size`` of them, and the node it ends at (a miss: no blocks, the root); splits the
         node a match ends inside. The path is used now: one ``_touch`` of the node the match
         ends at (a split-off tail is not on the path). ``ValueError("cannot match an empty
         prompt")`` for no tokens."""
-        ### BEGIN SOLUTION part4.3
+        ### BEGIN SOLUTION part4.2
         if len(token_ids) == 0:
             raise ValueError("cannot match an empty prompt")
         limit = (len(token_ids) - 1) // self.block_size
         node, blocks = self.root, []
         while len(blocks) < limit:
-            child = self._child(node, token_ids, len(blocks))
+            child = self._child(node, token_ids, block_hashes, len(blocks))
             if child is None:
                 break
             shared = self._shared_blocks(child, token_ids, len(blocks), limit - len(blocks))
@@ -212,9 +250,12 @@ class RadixCache:
         return MatchResult(blocks, node)
         ### END SOLUTION
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int]) -> int:
-        """Record that ``blocks`` hold ``token_ids``; return how many leading blocks were cached
-        already (the caller frees its own copies of those). The rest become a new leaf, under
+    def insert(
+        self, token_ids: Sequence[int], blocks: Sequence[int], block_hashes: Sequence[int]
+    ) -> int:
+        """Record that ``blocks`` hold ``token_ids``, whose blocks hash to ``block_hashes``;
+        return how many leading blocks were cached already (the caller frees its own copies of
+        those). The rest become a new leaf, its ``hashes`` taken from ``block_hashes``, under
         the node where the cached prefix ends (split if it ends inside an edge); if a hash
         collision takes the new leaf's place, nothing more is recorded. The path is used now,
         whatever was recorded: one ``_touch`` of its last node (the new leaf, else the node the
@@ -222,7 +263,7 @@ class RadixCache:
         blocks: {len(token_ids)} tokens for {len(blocks)} blocks of {block_size}")`` unless
         ``len(token_ids) == block_size * len(blocks)``.
         """
-        ### BEGIN SOLUTION part4.4
+        ### BEGIN SOLUTION part4.3
         if len(token_ids) != self.block_size * len(blocks):
             raise ValueError(
                 f"insert takes whole blocks: {len(token_ids)} tokens for {len(blocks)} "
@@ -230,7 +271,7 @@ class RadixCache:
             )
         node, cached = self.root, 0
         while cached < len(blocks):
-            child = self._child(node, token_ids, cached)
+            child = self._child(node, token_ids, block_hashes, cached)
             if child is None:
                 break
             shared = self._shared_blocks(child, token_ids, cached, len(blocks) - cached)
@@ -239,10 +280,7 @@ class RadixCache:
             cached += shared
             node = child
         if cached < len(blocks):
-            hashes, parent = [], node.last_hash
-            for index in range(cached, len(blocks)):
-                parent = self.hash_function(parent, self._block(token_ids, index))
-                hashes.append(parent)
+            hashes = list(block_hashes[cached : len(blocks)])
             if hashes[0] not in node.children:
                 node = self._new_node(
                     node, list(token_ids[cached * self.block_size :]), list(blocks[cached:]), hashes
@@ -256,7 +294,7 @@ class RadixCache:
         """A sequence uses the path to ``node``: add one to ``lock_ref`` of ``node`` and of
         every ancestor but the root; a node locked for the first time moves its blocks from
         evictable to protected. Locking the root does nothing."""
-        ### BEGIN SOLUTION part4.5
+        ### BEGIN SOLUTION part4.4
         while node is not self.root:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.blocks)
@@ -269,7 +307,7 @@ class RadixCache:
         """Undo one ``lock(node)``: the reverse walk; a node whose ``lock_ref`` falls to 0 moves
         its blocks back to evictable. ``ValueError("unlock of a node that is not locked")``, and
         no change, if ``node`` is not locked. Unlocking the root does nothing."""
-        ### BEGIN SOLUTION part4.5
+        ### BEGIN SOLUTION part4.4
         if node is not self.root and node.lock_ref < 1:
             raise ValueError("unlock of a node that is not locked")
         while node is not self.root:
@@ -287,7 +325,7 @@ class RadixCache:
         leaf's in edge order. ``ValueError(f"num_blocks must be >= 0, got {num_blocks}")`` for a
         negative ``num_blocks``. A parent joins the candidates with its own ``(last_access,
         node_id)``."""
-        ### BEGIN SOLUTION part4.6
+        ### BEGIN SOLUTION part4.4
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         leaves = [

@@ -70,7 +70,9 @@ class Sequence:
     ``is_prefill = True``, whether the sequence is in its prefill: from its admission (or its
     re-admission after a preemption by recompute) until every token it had then is computed;
     ``group_id = seq_id``: the parallel samples of one request (``SamplingParams.n``) share
-    their first sequence's id as ``group_id``, and are preempted and swapped as a group.
+    their first sequence's id as ``group_id``, and are preempted and swapped as a group;
+    ``block_hashes = []``: the chained hashes of its leading full blocks, which prefix caching
+    (Phase 4) appends to as blocks fill.
 
     Raises ``ValueError`` for a ``block_size`` that is not a positive integer (``True`` and
     ``2.0`` are not; the message names ``block_size``), or for an empty prompt, with a message
@@ -108,6 +110,10 @@ class Sequence:
         # The parallel samples of one request share blocks and are preempted and swapped
         # together (Phase 2): a group, named by its first sequence's id.
         self.group_id = seq_id
+        # Prefix caching (Phase 4): the chained hash of each full block, computed once when the
+        # block fills (``radix_cache.hash_blocks``) and kept for the sequence's life (its tokens
+        # are only appended), as vLLM v1's ``Request.block_hashes``.
+        self.block_hashes: list[int] = []
 
     def __len__(self) -> int:
         return self.num_tokens
