@@ -18,12 +18,20 @@ from hypothesis_settings import graded_settings
 # solution region that replaced torch.equal (or allclose, isnan) later would not change them.
 from torch import allclose, equal, isnan
 
+from vkv.engine.cache_engine import QuantizedCache
+from vkv.engine.key_residual import KeyPlan
 from vkv.engine.quantizer import (
     QuantizedTensor,
     Quantizer,
     bytes_per_token,
     pack_int4,
     unpack_int4,
+)
+from vkv.kernels.quantized import (
+    dequantize_blocks,
+    quantized_decode_attention,
+    quantized_prefill_attention,
+    store_quantized,
 )
 
 EPS = 1e-6
@@ -105,7 +113,11 @@ def test_part1_codes_scale_and_zero_per_token():
         f"INT8 keeps one uint8 code per element: expected uint8 {list(x.shape)}, got "
         f"{q.codes.dtype} {list(q.codes.shape)}"
     )
-    assert q.scale.dtype == q.zero.dtype == torch.float32
+    assert q.scale.dtype == torch.float32 and q.zero.dtype == torch.float32, (
+        "scales and zeros are float32 whatever the input's dtype (quantize computes in float32;"
+        f" the cache converts them when it stores them): got scale {q.scale.dtype}, zero "
+        f"{q.zero.dtype}"
+    )
     assert q.scale.shape == q.zero.shape == (2, 1), (
         f"per token: one scale and one zero per row, shaped [2, 1]; got {list(q.scale.shape)}"
     )
@@ -163,7 +175,9 @@ def test_part1_half_precision_input_is_quantized_in_float32_and_left_alone():
     quantizer = Quantizer(8)
     q = quantizer.quantize(x)
     assert equal(x, before), "quantize must not modify its input"
-    assert q.scale.dtype == torch.float32
+    assert q.scale.dtype == torch.float32, (
+        f"a float16 input is quantized in float32: its scales are float32, got {q.scale.dtype}"
+    )
     assert_within_half_a_step(x.float(), q, quantizer.dequantize(q))
 
 
@@ -325,3 +339,374 @@ def test_part4_unknown_formats_are_refused():
         bytes_per_token(1, 1, 8, "fp8")
     with pytest.raises(ValueError, match=r"^unknown key granularity 'per_block'$"):
         bytes_per_token(1, 1, 8, "int8", "per_block")
+
+
+# ---- Parts 3.5 and 3.6: the quantized paged cache (vkv/kernels/quantized.py) -----------------
+#
+# Caches are built here, plane by plane, as ``cache_engine.py`` lays them out: codes
+# [blocks, block_size, kv_heads, head_dim * bits / 8] and per-token scale and zero
+# [blocks, block_size, groups, 1]. The tests' own decoding (``decode_slot``, ``dense_values``)
+# reads the planes with the formulas of the handout, in float64, independently of the code
+# under test.
+
+NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 5, 4, 2, 4
+
+
+def empty_cache(bits: int, groups: int = KV_HEADS, dtype=torch.float32) -> QuantizedCache:
+    stored = HEAD_DIM * bits // 8
+    codes = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, stored, dtype=torch.uint8)
+    scale = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, groups, 1, dtype=dtype)
+    return QuantizedCache(codes, scale, scale.clone(), bits)
+
+
+def codes_of(cache: QuantizedCache) -> torch.Tensor:
+    """The unpacked codes of every slot: [slots, kv_heads, head_dim] (int64)."""
+    raw = cache.codes.reshape(-1, KV_HEADS, cache.codes.shape[-1]).long()
+    if cache.bits == 8:
+        return raw
+    return torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)
+
+
+def decode_slot(cache: QuantizedCache, slot: int) -> torch.Tensor:
+    """Slot ``slot``'s values [kv_heads, head_dim] in float64: codes * scale + zero per group."""
+    groups = cache.scale.shape[2]
+    codes = codes_of(cache)[slot].double().reshape(groups, -1)
+    scale = cache.scale.reshape(-1, groups, 1)[slot].double()
+    zero = cache.zero.reshape(-1, groups, 1)[slot].double()
+    return (codes * scale + zero).reshape(KV_HEADS, HEAD_DIM)
+
+
+def step_tensors(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g) * 3,
+        torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g) + 1,
+    )
+
+
+def assert_slot_holds(cache, slot, x, what, allowance=1e-5):
+    """``x [kv_heads, head_dim]`` stored at ``slot``: the group's min as zero, the decoded
+    values within half a step of x."""
+    groups = cache.scale.shape[2]
+    rows = x.double().reshape(groups, -1)
+    scale = cache.scale.reshape(-1, groups)[slot].double()
+    expected_scale = (rows.amax(1) - rows.amin(1)) / (2**cache.bits - 1)
+    assert allclose(scale, expected_scale, rtol=1e-3, atol=1e-6), (
+        f"{what} at slot {slot}: a group's scale is (max - min) / {2**cache.bits - 1} over its "
+        f"{rows.shape[1]} channels; expected {expected_scale.tolist()}, got {scale.tolist()}"
+    )
+    error = (decode_slot(cache, slot) - x.double()).abs().reshape(groups, -1)
+    worst = float((error - scale[:, None] / 2 - allowance).max())
+    assert worst <= 0, (
+        f"{what} at slot {slot}: codes * scale + zero must be within scale / 2 of the stored "
+        f"token; it is off by {worst:.3g} more"
+    )
+
+
+def written_slots(cache: QuantizedCache) -> list[int]:
+    """The slots whose codes, scale or zero are not all zero."""
+    codes = cache.codes.reshape(NUM_BLOCKS * BLOCK_SIZE, -1).ne(0).any(1)
+    scale = cache.scale.reshape(NUM_BLOCKS * BLOCK_SIZE, -1).ne(0).any(1)
+    zero = cache.zero.reshape(NUM_BLOCKS * BLOCK_SIZE, -1).ne(0).any(1)
+    return (codes | scale | zero).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_part5_each_token_lands_in_its_slot_quantized_per_token_and_head(bits):
+    key, value = step_tensors(3, seed=10)
+    k_cache, v_cache = empty_cache(bits), empty_cache(bits)
+    slots = [6, 0, 13]  # block 1 offset 2, block 0 offset 0, block 3 offset 1
+    store_quantized(key, value, k_cache, v_cache, torch.tensor(slots))
+    for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
+        assert sorted(written_slots(cache)) == sorted(slots), (
+            f"{what}: tokens go to slots {slots} (slot s is block s // {BLOCK_SIZE}, offset "
+            f"s % {BLOCK_SIZE}) and nowhere else; written: {written_slots(cache)}"
+        )
+        for token, slot in enumerate(slots):
+            assert_slot_holds(cache, slot, x[token], what)
+
+
+def test_part5_int8_codes_are_exact_on_a_known_token():
+    key = torch.tensor([[[0.0, 255.0, 10.0, 128.0], [-1.0, 1.0, 0.2, 0.5]]])
+    k_cache, v_cache = empty_cache(8), empty_cache(8)
+    store_quantized(key, key.clone(), k_cache, v_cache, torch.tensor([9]))
+    got = codes_of(k_cache)[9].tolist()
+    expected = [[0, 255, 10, 128], [0, 255, 153, 191]]
+    assert got == expected, (
+        f"INT8 per (token, head): code = round((x - min) / scale), scale = (max - min) / 255; "
+        f"slot 9 expected codes {expected}, got {got}"
+    )
+    zero = k_cache.zero[2, 1].flatten().tolist()
+    assert zero == [0.0, -1.0], f"zero is each head's minimum: expected [0.0, -1.0], got {zero}"
+
+
+def test_part5_int4_codes_are_packed_two_per_byte_low_nibble_first():
+    key = torch.tensor([[[0.0, 15.0, 3.0, 12.0], [1.0, 1.0, 1.0, 16.0]]])
+    k_cache, v_cache = empty_cache(4), empty_cache(4)
+    store_quantized(key, key.clone(), k_cache, v_cache, torch.tensor([2]))
+    got = k_cache.codes[0, 2].tolist()
+    expected = [[0 | 15 << 4, 3 | 12 << 4], [0 | 0 << 4, 0 | 15 << 4]]
+    assert got == expected, (
+        "INT4: codes 0..15, byte i holds channel 2i's code in bits 0-3 and channel 2i + 1's in "
+        f"bits 4-7 (pack_int4's order); slot 2 expected bytes {expected}, got {got}"
+    )
+
+
+def test_part5_padding_slots_are_skipped():
+    key, value = step_tensors(4, seed=11)
+    k_cache, v_cache = empty_cache(8), empty_cache(8)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([3, -1, 7, -1]))
+    for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
+        assert written_slots(cache) == [3, 7], (
+            f"{what}: a slot of -1 is padding and writes nothing (not the last slot, which "
+            f"index -1 would be); written: {written_slots(cache)}, expected [3, 7]"
+        )
+        assert_slot_holds(cache, 3, x[0], what)
+        assert_slot_holds(cache, 7, x[2], what)
+
+
+@pytest.mark.parametrize(
+    "where", ["a NaN key", "an infinite value", "a -inf key past the first token"]
+)
+def test_part5_a_nan_or_infinite_token_is_refused_and_nothing_is_written(where):
+    key, value = step_tensors(3, seed=12)
+    if where == "a NaN key":
+        key[0, 1, 2] = float("nan")
+    elif where == "an infinite value":
+        value[2, 0, 0] = float("inf")
+    else:
+        key[1, 0, 3] = -float("inf")
+    k_cache, v_cache = empty_cache(8), empty_cache(8)
+    with pytest.raises(ValueError, match=r"^cannot quantize NaN or infinite values"):
+        store_quantized(key, value, k_cache, v_cache, torch.tensor([0, 1, 2]))
+    assert written_slots(k_cache) == [] and written_slots(v_cache) == [], (
+        f"with {where}, the step is refused before anything is written: keys and values stay "
+        f"as they were (keys written {written_slots(k_cache)}, values {written_slots(v_cache)})"
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_part5_one_group_per_token_covers_all_its_heads(bits):
+    key, value = step_tensors(2, seed=13)
+    k_cache, v_cache = empty_cache(bits, groups=1), empty_cache(bits, groups=1)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([4, 18]))
+    expected = float(key[1].max() - key[1].min()) / (2**bits - 1)
+    got = float(k_cache.scale.reshape(-1)[18])
+    assert got == pytest.approx(expected, rel=1e-4), (
+        "with scale planes [blocks, block_size, 1, 1], one scale covers all of a token's "
+        f"{KV_HEADS} heads x {HEAD_DIM} channels: expected {expected:.6g}, got {got:.6g}"
+    )
+    for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
+        assert_slot_holds(cache, 4, x[0], what)
+        assert_slot_holds(cache, 18, x[1], what)
+
+
+def test_part5_scales_are_stored_in_the_planes_dtype():
+    key, value = step_tensors(1, seed=14)
+    k_cache, v_cache = empty_cache(8, dtype=torch.float16), empty_cache(8, dtype=torch.float16)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([5]))
+    assert k_cache.scale.dtype == torch.float16, "the planes are the cache's, never replaced"
+    assert_slot_holds(k_cache, 5, key[0], "keys", allowance=0.03)  # float16 scale and zero
+
+
+def test_part5_keys_per_channel_go_to_the_residual_values_per_token():
+    key, value = step_tensors(2, seed=15)
+    k_cache = empty_cache(8)
+    residual = torch.zeros(2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    none = torch.zeros(0, dtype=torch.long)
+    plan = KeyPlan(torch.tensor([0, 1]), torch.tensor([5, 6]), none, none, none.view(0, 4))
+    k_cache = QuantizedCache(
+        k_cache.codes,
+        torch.zeros(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM),
+        torch.zeros(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM),
+        8,
+        residual,
+        torch.full((NUM_BLOCKS,), -1, dtype=torch.int32),
+        plan,
+    )
+    v_cache = empty_cache(8)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([9, 10]))
+    rows = residual.view(-1, KV_HEADS, HEAD_DIM)
+    assert equal(rows[5:7], key), (
+        "keys per channel: the keys go to store_keys_per_channel, which writes them to the "
+        "residual rows of the step's plan (here rows 5 and 6, in full precision)"
+    )
+    assert not bool(k_cache.codes.any()), "a partial block's key codes are not written"
+    assert written_slots(v_cache) == [9, 10], "values are quantized per token as always"
+    assert_slot_holds(v_cache, 10, value[1], "values")
+
+
+def random_cache(bits: int, seed: int, groups: int = KV_HEADS) -> QuantizedCache:
+    """A cache of random codes, scales and zeros in every slot."""
+    g = torch.Generator().manual_seed(seed)
+    stored = HEAD_DIM * bits // 8
+    codes = torch.randint(0, 256, (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, stored), generator=g)
+    scale = torch.rand(NUM_BLOCKS, BLOCK_SIZE, groups, 1, generator=g) / (2**bits) * 4
+    zero = torch.randn(NUM_BLOCKS, BLOCK_SIZE, groups, 1, generator=g)
+    return QuantizedCache(codes.to(torch.uint8), scale, zero, bits)
+
+
+def dense_values(cache: QuantizedCache, table: list[int], length: int) -> torch.Tensor:
+    """A sequence's first ``length`` tokens [length, kv_heads, head_dim], float64, read through
+    its block table from the planes."""
+    slots = [table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(length)]
+    return torch.stack([decode_slot(cache, s) for s in slots])
+
+
+def dense_attention(q, keys, values, positions, scale):
+    """``q [rows, heads, dim]`` at ``positions`` attends to keys/values [ctx, kv_heads, dim]
+    up to its own position; float64, no cache."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dim]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.einsum("rhd,hcd->hrc", q.double(), k) * scale
+    visible = torch.arange(keys.shape[0])[None, :] <= torch.tensor(positions)[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hrc,hcd->rhd", weights, v)
+
+
+TABLES = [[3, 1], [0, -1], [4, 2], [2, 3]]  # blocks out of order; block 2 and 3 shared
+LENGTHS = [6, 3, 8, 5]  # 6 and 5 end inside a block; 8 fills two
+
+
+def assert_attention_close(got, expected, what):
+    assert got.shape == expected.shape, (
+        f"{what}: shape {list(got.shape)}, expected {list(expected.shape)}"
+    )
+    diff = float((got.double() - expected).abs().max())
+    assert diff < 1e-4, (
+        f"{what}: must equal softmax attention over the dequantized keys and values (float32); "
+        f"largest difference {diff:.3g}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("bits", "num_heads"), [(8, 2), (8, 4), (4, 4)], ids=["int8", "int8-gqa", "int4-gqa"]
+)
+def test_part6_decode_attends_to_each_sequences_dequantized_context(bits, num_heads):
+    k_cache, v_cache = random_cache(bits, 20), random_cache(bits, 21)
+    query = torch.randn(4, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(22))
+    got = quantized_decode_attention(
+        query, k_cache, v_cache, torch.tensor(TABLES, dtype=torch.int32), torch.tensor(LENGTHS), 0.5
+    )
+    for i, (table, length) in enumerate(zip(TABLES, LENGTHS, strict=True)):
+        expected = dense_attention(
+            query[i : i + 1],
+            dense_values(k_cache, table, length),
+            dense_values(v_cache, table, length),
+            [length - 1],
+            0.5,
+        )[0]
+        assert_attention_close(
+            got[i], expected, f"sequence {i} (table {table}, {length} tokens, {num_heads} heads)"
+        )
+
+
+def test_part6_decode_never_reads_past_a_context():
+    k_cache, v_cache = random_cache(8, 23), random_cache(8, 24)
+    tables, lengths = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([5])
+    query = torch.randn(1, 2, HEAD_DIM, generator=torch.Generator().manual_seed(25))
+    before = quantized_decode_attention(query, k_cache, v_cache, tables, lengths, 0.5)
+    for cache in (k_cache, v_cache):  # slots 9..11 (block 2, offsets 1..3) and block 0
+        cache.scale[2, 1:] = 1e4
+        cache.zero[2, 1:] = -1e4
+        cache.scale[0] = 1e4
+    after = quantized_decode_attention(query, k_cache, v_cache, tables, lengths, 0.5)
+    assert_attention_close(
+        after, before.double(), "slots at or past the context length (here 5) must not count"
+    )
+
+
+def test_part6_attention_returns_the_querys_dtype():
+    k_cache, v_cache = random_cache(8, 26), random_cache(8, 27)
+    query = torch.randn(2, 2, HEAD_DIM, generator=torch.Generator().manual_seed(28)).half()
+    got = quantized_decode_attention(
+        query,
+        k_cache,
+        v_cache,
+        torch.tensor([[0], [4]], dtype=torch.int32),
+        torch.tensor([2, 4]),
+        1.0,
+    )
+    assert got.dtype == torch.float16 and got.shape == (2, 2, HEAD_DIM), (
+        f"decode returns [batch, num_heads, head_dim] in the query's dtype: got {got.dtype} "
+        f"{list(got.shape)}"
+    )
+    got = quantized_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        torch.tensor([0, 1, 2]),
+        torch.tensor([[0], [4]]),
+        torch.tensor([2, 4]),
+        1.0,
+    )
+    assert got.dtype == torch.float16 and got.shape == (2, 2, HEAD_DIM), (
+        f"prefill returns [new_tokens, num_heads, head_dim] in the query's dtype: got "
+        f"{got.dtype} {list(got.shape)}"
+    )
+
+
+@pytest.mark.parametrize(("bits", "num_heads"), [(8, 2), (4, 4)], ids=["int8", "int4-gqa"])
+def test_part6_prefill_is_causal_over_the_cached_context(bits, num_heads):
+    k_cache, v_cache = random_cache(bits, 30, groups=1), random_cache(bits, 31, groups=1)
+    new = [6, 2, 3]  # sequence 0: a whole prompt; 1 and 2: chunks after a cached context
+    lengths = [6, 7, 5]
+    tables = [[3, 1], [0, 4], [2, 3]]
+    cu = torch.tensor([0, 6, 8, 11])
+    query = torch.randn(11, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(32))
+    got = quantized_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        cu,
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(lengths),
+        0.7,
+    )
+    for i in range(3):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        positions = list(range(lengths[i] - new[i], lengths[i]))
+        expected = dense_attention(
+            query[rows],
+            dense_values(k_cache, tables[i], lengths[i]),
+            dense_values(v_cache, tables[i], lengths[i]),
+            positions,
+            0.7,
+        )
+        assert_attention_close(
+            got[rows],
+            expected,
+            f"sequence {i}: new tokens at positions {positions} of {lengths[i]} attend to every "
+            "position up to their own",
+        )
+
+
+def test_part6_dequantize_blocks_reads_a_partial_blocks_keys_from_the_residual():
+    base = random_cache(8, 33)
+    residual = torch.randn(
+        2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(34)
+    )
+    slots = torch.full((NUM_BLOCKS,), -1, dtype=torch.int32)
+    slots[3], slots[4] = 1, 0
+    g = torch.Generator().manual_seed(35)
+    scale = torch.rand(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM, generator=g) / 64
+    zero = torch.randn(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM, generator=g)
+    keys = QuantizedCache(base.codes, scale, zero, 8, residual, slots, None)
+    got = dequantize_blocks(keys, torch.tensor([3, 0, 3, 4]))
+    assert got.shape == (4, BLOCK_SIZE, KV_HEADS, HEAD_DIM) and got.dtype == torch.float32, (
+        f"[len(blocks), block_size, kv_heads, head_dim] float32: got {got.dtype} {list(got.shape)}"
+    )
+    assert equal(got[0], residual[1]) and equal(got[2], residual[1]), (
+        "block 3 has residual slot 1 (residual_slot[3] == 1): its keys are residual[1], as "
+        "stored, not its codes"
+    )
+    assert equal(got[3], residual[0]), (
+        "block 4 has residual slot 0 (residual_slot[4] == 0; -1 means none): its keys are "
+        "residual[0]"
+    )
+    expected = base.codes[0].double() * scale[0].double() + zero[0].double()
+    assert allclose(got[1].double(), expected, atol=1e-5), (
+        "keys per channel: codes * scale + zero with the block's scale and zero per (head, "
+        "channel), shape [1, kv_heads, head_dim]"
+    )
