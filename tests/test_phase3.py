@@ -465,6 +465,16 @@ def test_part5_padding_slots_are_skipped():
         assert_slot_holds(cache, 7, x[2], what)
 
 
+def test_part5_a_step_of_padding_only_writes_nothing():
+    key, value = step_tensors(2, seed=16)
+    k_cache, v_cache = empty_cache(4), empty_cache(4)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([-1, -1]))
+    assert written_slots(k_cache) == [] and written_slots(v_cache) == [], (
+        "every slot -1: a step of padding only writes nothing (and quantizes nothing: there is "
+        "no token to take a range of)"
+    )
+
+
 @pytest.mark.parametrize(
     "where", ["a NaN key", "an infinite value", "a -inf key past the first token"]
 )

@@ -19,6 +19,7 @@ import torch
 from test_seed import seeded
 from torch import allclose, equal, isnan
 
+from vkv.engine.cache_engine import QuantizedCache
 from vkv.engine.quantizer import (
     QuantizedTensor,
     Quantizer,
@@ -26,6 +27,12 @@ from vkv.engine.quantizer import (
     bytes_per_token,
     pack_int4,
     unpack_int4,
+)
+from vkv.kernels.quantized import (
+    dequantize_blocks,
+    quantized_decode_attention,
+    quantized_prefill_attention,
+    store_quantized,
 )
 
 EPS = 1e-6  # the float32 allowance of the visible tests: EPS * max|x| on top of scale / 2
@@ -475,3 +482,240 @@ def test_part4_unknown_formats_are_refused(rng):
         bytes_per_token(rng.randint(1, 8), rng.randint(1, 8), 8, rng.choice(["int8", "int4"]), name)
     want = f"unknown key granularity {name!r}"
     assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
+
+
+# ---- Parts 3.5 and 3.6: the quantized paged cache ---------------------------------------------
+
+
+def draw_layout(rng) -> dict:
+    """A cache's geometry: blocks, block size, KV heads, an even head_dim, bits, groups."""
+    heads = rng.randint(1, 3)
+    return {
+        "blocks": rng.randint(3, 7),
+        "block_size": rng.randint(1, 5),
+        "heads": heads,
+        "dim": 2 * rng.randint(1, 4),
+        "bits": rng.choice([8, 4]),
+        "groups": rng.choice([heads, 1]),
+    }
+
+
+def new_cache(layout: dict, fill: torch.Generator | None = None) -> QuantizedCache:
+    """An empty cache of ``layout`` (all zero), or with random planes from ``fill``."""
+    b, s, h, d, bits = (layout[k] for k in ("blocks", "block_size", "heads", "dim", "bits"))
+    stored = d * bits // 8
+    if fill is None:
+        codes = torch.zeros(b, s, h, stored, dtype=torch.uint8)
+        scale = torch.zeros(b, s, layout["groups"], 1)
+        return QuantizedCache(codes, scale, scale.clone(), bits)
+    codes = torch.randint(0, 256, (b, s, h, stored), generator=fill).to(torch.uint8)
+    scale = torch.rand(b, s, layout["groups"], 1, generator=fill) * 4 / 2**bits
+    zero = torch.randn(b, s, layout["groups"], 1, generator=fill)
+    return QuantizedCache(codes, scale, zero, bits)
+
+
+def slot_values(cache: QuantizedCache, slot: int) -> list[float]:
+    """A slot's values from the planes, float64 Python arithmetic: ``[heads * dim]``."""
+    flat = cache.codes.reshape(-1, cache.codes.shape[2] * cache.codes.shape[3])[slot].tolist()
+    codes = flat if cache.bits == 8 else [c for byte in flat for c in (byte & 15, byte >> 4)]
+    groups = cache.scale.shape[2]
+    scales = cache.scale.reshape(-1, groups)[slot].double().tolist()
+    zeros = cache.zero.reshape(-1, groups)[slot].double().tolist()
+    width = len(codes) // groups
+    return [c * scales[i // width] + zeros[i // width] for i, c in enumerate(codes)]
+
+
+def touched(cache: QuantizedCache) -> set[int]:
+    slots = cache.codes.shape[0] * cache.codes.shape[1]
+    planes = (cache.codes, cache.scale, cache.zero)
+    changed = torch.zeros(slots, dtype=torch.bool)
+    for plane in planes:
+        changed |= plane.reshape(slots, -1).ne(0).any(1)
+    return set(changed.nonzero().flatten().tolist())
+
+
+@seeded
+def test_part5_every_token_of_a_step_reads_back_within_half_a_step(rng):
+    for _ in range(4):
+        layout = draw_layout(rng)
+        slots_in_cache = layout["blocks"] * layout["block_size"]
+        tokens = rng.randint(1, slots_in_cache)
+        slots = rng.sample(range(slots_in_cache), tokens)
+        for i in range(tokens):
+            if rng.random() < 0.2:
+                slots[i] = -1
+        g = generator(rng)
+        shape = (tokens, layout["heads"], layout["dim"])
+        key = torch.randn(*shape, generator=g) * 10 ** rng.uniform(-2, 2)
+        value = torch.randn(*shape, generator=g) + rng.uniform(-5, 5)
+        k_cache, v_cache = new_cache(layout), new_cache(layout)
+        store_quantized(key, value, k_cache, v_cache, torch.tensor(slots))
+        stored = {slot for slot in slots if slot >= 0}
+        for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
+            assert touched(cache) <= stored, (
+                f"{what}: only the step's slots {sorted(stored)} change (-1 is padding); "
+                f"changed: {sorted(touched(cache))} ({layout})"
+            )
+            width = layout["heads"] * layout["dim"] // layout["groups"]
+            levels = 2 ** layout["bits"] - 1
+            for token, slot in enumerate(slots):
+                if slot < 0:
+                    continue
+                row = x[token].reshape(-1).double().tolist()
+                back = slot_values(cache, slot)
+                for g0 in range(0, len(row), width):
+                    group = row[g0 : g0 + width]
+                    step = (max(group) - min(group)) / levels
+                    allowed = step / 2 + 1e-5 * max(1.0, max(abs(v) for v in group))
+                    worst = max(
+                        abs(a - b) for a, b in zip(group, back[g0 : g0 + width], strict=True)
+                    )
+                    assert worst <= allowed * (1 + 1e-3), (
+                        f"{what}, token {token} at slot {slot}: a group of {width} channels "
+                        f"reads back within scale / 2 = {step / 2:.4g}; off by {worst:.4g} "
+                        f"({layout})"
+                    )
+
+
+@seeded
+def test_part5_a_non_finite_token_anywhere_writes_nothing(rng):
+    for _ in range(4):
+        layout = draw_layout(rng)
+        tokens = rng.randint(1, layout["blocks"] * layout["block_size"])
+        g = generator(rng)
+        shape = (tokens, layout["heads"], layout["dim"])
+        key, value = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        bad = rng.choice([key, value])
+        where = tuple(rng.randrange(n) for n in shape)
+        bad[where] = rng.choice([float("nan"), float("inf"), -float("inf")])
+        k_cache, v_cache = new_cache(layout), new_cache(layout)
+        with pytest.raises(ValueError, match=r"^cannot quantize NaN or infinite values"):
+            store_quantized(key, value, k_cache, v_cache, torch.arange(tokens))
+        assert not touched(k_cache) and not touched(v_cache), (
+            f"a NaN or infinity at {where} of the {'keys' if bad is key else 'values'}: the step "
+            "is refused before anything is written, keys and values alike"
+        )
+
+
+def draw_tables(rng, layout: dict, batch: int) -> tuple[list[list[int]], list[int]]:
+    """Block tables (distinct blocks a sequence, -1 padding to the widest) and lengths."""
+    width = rng.randint(1, layout["blocks"])
+    tables, lengths = [], []
+    for _ in range(batch):
+        used = rng.randint(1, width)
+        tables.append(rng.sample(range(layout["blocks"]), used) + [-1] * (width - used))
+        lengths.append(
+            rng.randint((used - 1) * layout["block_size"] + 1, used * layout["block_size"])
+        )
+    return tables, lengths
+
+
+def oracle_rows(q, k_cache, v_cache, table, positions, scale):
+    """Attention for query rows ``q [rows, heads * group, dim]`` at ``positions``, float64 from
+    the planes' formula, read slot by slot through ``table``."""
+    block = k_cache.codes.shape[1]
+    kv_heads, dim = k_cache.codes.shape[2], q.shape[2]
+    group = q.shape[1] // kv_heads
+    context = max(positions) + 1
+    slot = [table[p // block] * block + p % block for p in range(context)]
+    keys = torch.tensor([slot_values(k_cache, s) for s in slot], dtype=torch.float64)
+    values = torch.tensor([slot_values(v_cache, s) for s in slot], dtype=torch.float64)
+    keys, values = keys.view(context, kv_heads, dim), values.view(context, kv_heads, dim)
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for r, pos in enumerate(positions):
+        for h in range(q.shape[1]):
+            kv = h // group
+            scores = (keys[: pos + 1, kv] @ q[r, h].double()) * scale
+            weights = torch.softmax(scores, 0)
+            out[r, h] = weights @ values[: pos + 1, kv]
+    return out
+
+
+@seeded
+def test_part6_decode_equals_dense_attention_on_drawn_tables(rng):
+    for _ in range(3):
+        layout = draw_layout(rng)
+        group = rng.choice([1, 2, 3])
+        batch = rng.randint(1, 4)
+        tables, lengths = draw_tables(rng, layout, batch)
+        g = generator(rng)
+        k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
+        query = torch.randn(batch, layout["heads"] * group, layout["dim"], generator=g)
+        scale = rng.uniform(0.1, 1.0)
+        got = quantized_decode_attention(
+            query, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lengths), scale,
+        )  # fmt: skip
+        for i in range(batch):
+            expected = oracle_rows(
+                query[i : i + 1], k_cache, v_cache, tables[i], [lengths[i] - 1], scale
+            )
+            diff = float((got[i].double() - expected[0]).abs().max())
+            assert diff < 1e-4, (
+                f"sequence {i} (table {tables[i]}, {lengths[i]} tokens, block size "
+                f"{layout['block_size']}, {group} query heads per KV head): decode must equal "
+                f"attention over the dequantized context; off by {diff:.3g}"
+            )
+
+
+@seeded
+def test_part6_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
+    for _ in range(3):
+        layout = draw_layout(rng)
+        group = rng.choice([1, 2])
+        batch = rng.randint(1, 3)
+        tables, lengths = draw_tables(rng, layout, batch)
+        new = [rng.randint(1, length) for length in lengths]
+        cu = [0]
+        for n in new:
+            cu.append(cu[-1] + n)
+        g = generator(rng)
+        k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
+        query = torch.randn(cu[-1], layout["heads"] * group, layout["dim"], generator=g)
+        scale = rng.uniform(0.1, 1.0)
+        got = quantized_prefill_attention(
+            query, k_cache, v_cache, torch.tensor(cu), torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lengths), scale,
+        )  # fmt: skip
+        for i in range(batch):
+            positions = list(range(lengths[i] - new[i], lengths[i]))
+            rows = slice(cu[i], cu[i + 1])
+            expected = oracle_rows(query[rows], k_cache, v_cache, tables[i], positions, scale)
+            diff = float((got[rows].double() - expected).abs().max())
+            assert diff < 1e-4, (
+                f"sequence {i}: its {new[i]} new tokens at positions {positions[0]}.."
+                f"{positions[-1]} of {lengths[i]} attend causally to the dequantized context; "
+                f"off by {diff:.3g} (table {tables[i]}, block size {layout['block_size']})"
+            )
+
+
+@seeded
+def test_part6_dequantize_blocks_reads_codes_or_the_residual(rng):
+    layout = draw_layout(rng)
+    layout["groups"] = layout["heads"]
+    g = generator(rng)
+    base = new_cache(layout, g)
+    b, s, h, d = layout["blocks"], layout["block_size"], layout["heads"], layout["dim"]
+    scale = torch.rand(b, 1, h, d, generator=g) / 32
+    zero = torch.randn(b, 1, h, d, generator=g)
+    residual = torch.randn(3, s, h, d, generator=g)
+    slots = torch.full((b,), -1, dtype=torch.int32)
+    partial = rng.sample(range(b), 2)
+    slots[partial[0]], slots[partial[1]] = rng.sample(range(3), 2)
+    keys = QuantizedCache(base.codes, scale, zero, layout["bits"], residual, slots, None)
+    blocks = [rng.randrange(b) for _ in range(rng.randint(1, 6))]
+    got = dequantize_blocks(keys, torch.tensor(blocks))
+    codes = base.codes.long()
+    if layout["bits"] == 4:
+        codes = torch.stack((codes & 15, codes >> 4), -1).flatten(-2)
+    for i, block in enumerate(blocks):
+        if int(slots[block]) >= 0:
+            expected = residual[int(slots[block])].double()
+        else:
+            expected = codes[block].double() * scale[block].double() + zero[block].double()
+        diff = float((got[i].double() - expected).abs().max())
+        assert diff < 1e-5, (
+            f"block {block} (residual slot {int(slots[block])}): a partial block reads its "
+            "residual, any other its codes * scale + zero per (head, channel); "
+            f"off by {diff:.3g}"
+        )

@@ -48,7 +48,8 @@ def store_quantized(
     group of the caches' scale planes (``scale.shape[2]`` groups a token: a group is
     ``kv_heads * head_dim / groups`` consecutive channels of the token's heads).
 
-    ``slot_mapping [num_tokens]`` (int) gives each token's slot; -1 is padding, skipped. A NaN
+    ``slot_mapping [num_tokens]`` (int) gives each token's slot; -1 is padding, skipped (a step
+    may be all padding: then nothing is written). A NaN
     or an infinity in ``key`` or ``value`` raises ``ValueError`` ("cannot quantize NaN or
     infinite values: nothing was written") before any plane changes. With keys per channel
     (``k_cache.per_channel``), the keys go to ``store_keys_per_channel(key, k_cache)`` (which
@@ -64,6 +65,8 @@ def store_quantized(
         store_keys_per_channel(key, k_cache)
     else:
         pairs.insert(0, (k_cache, key))
+    if not len(slots):  # a step of padding only: nothing to quantize (nor any group to do it)
+        return
     for cache, x in pairs:
         rows = x[keep]
         groups = cache.scale.shape[2]
