@@ -19,7 +19,7 @@ from hypothesis_settings import graded_settings
 from torch import allclose, equal, isnan
 
 from vkv.engine.cache_engine import QuantizedCache
-from vkv.engine.key_residual import KeyPlan
+from vkv.engine.key_residual import KeyPlan, KeyResidual, partial_blocks
 from vkv.engine.quantizer import (
     QuantizedTensor,
     Quantizer,
@@ -31,6 +31,7 @@ from vkv.kernels.quantized import (
     dequantize_blocks,
     quantized_decode_attention,
     quantized_prefill_attention,
+    store_keys_per_channel,
     store_quantized,
 )
 
@@ -719,4 +720,277 @@ def test_part6_dequantize_blocks_reads_a_partial_blocks_keys_from_the_residual()
     assert allclose(got[1].double(), expected, atol=1e-5), (
         "keys per channel: codes * scale + zero with the block's scale and zero per (head, "
         "channel), shape [1, kv_heads, head_dim]"
+    )
+
+
+# ---- Part 3.3 (continued): the key residual's plan, and the store of a filled block -----------
+#
+# A KeyResidual of block size 4 over 6 GPU blocks, 3 residual slots; plans read from
+# KeyResidual.plan (slot s is block s // 4, offset s % 4).
+
+RES_BLOCK = 4
+
+
+def key_residual(slots: int = 3, layers: int = 1) -> KeyResidual:
+    return KeyResidual(layers, RES_BLOCK, 1, 2, torch.float32, 6, slots, torch.device("cpu"))
+
+
+def plan_lists(plan: KeyPlan) -> dict[str, list]:
+    return {
+        "residual_tokens": plan.residual_tokens.tolist(),
+        "residual_rows": plan.residual_rows.tolist(),
+        "fill_blocks": plan.fill_blocks.tolist(),
+        "fill_slots": plan.fill_slots.tolist(),
+        "fill_tokens": plan.fill_tokens.tolist(),
+    }
+
+
+def test_part3_a_partial_block_takes_a_residual_slot_for_its_new_keys():
+    residual = key_residual()
+    plan = plan_lists(residual.plan([8, 9, 10]))  # block 2, offsets 0..2: partial
+    slot = residual._slots.get(2)
+    assert slot is not None and residual.gpu_blocks == {2}, (
+        f"block 2 is written from offset 0 to 2 of 4: partial, it takes a residual slot; "
+        f"blocks holding a slot: {sorted(residual.gpu_blocks)}"
+    )
+    rows = [slot * RES_BLOCK + offset for offset in range(3)]
+    assert plan["residual_tokens"] == [0, 1, 2] and plan["residual_rows"] == rows, (
+        f"batch rows 0..2 go to residual rows slot * block_size + offset = {rows}; got tokens "
+        f"{plan['residual_tokens']} to rows {plan['residual_rows']}"
+    )
+    assert plan["fill_blocks"] == [] and plan["fill_tokens"] == [], "nothing filled"
+    assert residual.slot_of_block.tolist() == [-1, -1, slot, -1, -1, -1], (
+        "slot_of_block tells attention where the step's partial block's keys are: "
+        f"{residual.slot_of_block.tolist()}"
+    )
+    assert residual.current is not None and residual.current.residual_rows.tolist() == rows, (
+        "plan also leaves its plan in self.current (the cache hands it to the store)"
+    )
+
+
+def test_part3_a_block_written_whole_in_one_step_is_quantized_from_the_batch():
+    residual = key_residual()
+    plan = plan_lists(residual.plan([-1, 4, 5, 6, 7, 12]))  # block 1 whole; block 3 starts
+    assert plan["fill_blocks"] == [1] and plan["fill_slots"] == [], (
+        f"block 1 is written from offset 0 to its last: filled, quantized straight from the "
+        f"new keys without a residual slot; got fill_blocks {plan['fill_blocks']}, fill_slots "
+        f"{plan['fill_slots']}"
+    )
+    assert plan["fill_tokens"] == [[1, 2, 3, 4]], (
+        f"fill_tokens holds the batch rows of a block written whole, in slot order (row 0 is "
+        f"padding): expected [[1, 2, 3, 4]], got {plan['fill_tokens']}"
+    )
+    assert residual.gpu_blocks == {3} and plan["residual_tokens"] == [5], (
+        "only the partial block 3 takes a slot, for its one key"
+    )
+
+
+def test_part3_a_block_filled_from_its_residual_keeps_its_slot_for_the_step():
+    residual = key_residual()
+    residual.plan([20, 21])  # block 5, offsets 0..1
+    slot = residual._slots[5]
+    plan = plan_lists(residual.plan([22, 23, 0]))  # block 5 fills; block 0 starts
+    assert plan["fill_blocks"] == [5] and plan["fill_slots"] == [slot], (
+        f"block 5 fills this step from its residual slot {slot}: fill_blocks [5], fill_slots "
+        f"[{slot}]; got {plan['fill_blocks']}, {plan['fill_slots']}"
+    )
+    assert plan["residual_tokens"][:2] == [0, 1], (
+        "its new keys still go to its residual rows first (the block is quantized from them)"
+    )
+    assert plan["residual_rows"][:2] == [slot * RES_BLOCK + 2, slot * RES_BLOCK + 3]
+    assert residual.gpu_blocks == {5, 0}, (
+        "a filled block keeps its slot until the step is over (a re-run of the step reads the "
+        f"same rows); blocks holding a slot: {sorted(residual.gpu_blocks)}"
+    )
+    assert int(residual.slot_of_block[5]) == -1, (
+        "a filled block is read from its codes: slot_of_block is -1 for it"
+    )
+
+
+def test_part3_blocks_filled_from_a_residual_come_before_blocks_written_whole():
+    residual = key_residual()
+    residual.plan([12, 13, 14])  # block 3, offsets 0..2
+    plan = plan_lists(residual.plan([15, 4, 5, 6, 7]))  # block 3 fills; block 1 whole
+    assert plan["fill_blocks"] == [3, 1] and plan["fill_tokens"] == [[1, 2, 3, 4]], (
+        "fill_blocks lists the blocks filled from a residual slot first (with fill_slots), "
+        f"then those written whole (with fill_tokens); got {plan['fill_blocks']}"
+    )
+
+
+def test_part3_a_block_written_past_offset_zero_without_a_residual_is_an_error():
+    residual = key_residual()
+    with pytest.raises(
+        RuntimeError,
+        match=r"^block 4 is written from offset 2 but holds no key residual: its earlier keys "
+        r"are lost$",
+    ):
+        residual.plan([18, 19])
+
+
+def test_part3_a_block_written_again_from_offset_zero_gives_its_old_slot_back_first():
+    residual = key_residual(slots=1)
+    residual.plan([8])  # block 2 partial: the only slot
+    residual.plan([8, 9])  # the step runs again (a re-run, or the block's new owner)
+    assert residual.gpu_blocks == {2} and residual.num_used == 1, (
+        "written from offset 0, a block gives back the slot it still held before taking one: "
+        "with a single slot, the plan must not run out"
+    )
+
+
+def test_part3_a_block_written_whole_again_holds_no_slot():
+    residual = key_residual()
+    residual.plan([8])  # block 2 partial; then its owner frees it and a new one writes it whole
+    residual.plan([8, 9, 10, 11])
+    assert residual.num_used == 0 and residual.gpu_blocks == set(), (
+        "written from offset 0, block 2 gives back the slot it still held; written whole, it "
+        f"takes none: slots in use {residual.num_used}, blocks {sorted(residual.gpu_blocks)}"
+    )
+
+
+def test_part3_store_keys_per_channel_writes_residual_rows_and_quantizes_filled_blocks():
+    residual = torch.zeros(2, RES_BLOCK, 1, 2)
+    residual[1, :2] = torch.tensor([[[1.0, -2.0]], [[3.5, 0.0]]])  # block 4's first two keys
+    key = torch.tensor([[[5.0, 7.0]], [[2.0, 1.0]], [[9.0, 9.0]]])
+    plan = KeyPlan(
+        residual_tokens=torch.tensor([0, 1, 2]),
+        residual_rows=torch.tensor([1 * RES_BLOCK + 2, 1 * RES_BLOCK + 3, 0]),
+        fill_blocks=torch.tensor([4]),
+        fill_slots=torch.tensor([1]),
+        fill_tokens=torch.zeros(0, RES_BLOCK, dtype=torch.long),
+    )
+    codes = torch.zeros(6, RES_BLOCK, 1, 2, dtype=torch.uint8)
+    scale, zero = torch.zeros(6, 1, 1, 2), torch.zeros(6, 1, 1, 2)
+    slots = torch.full((6,), -1, dtype=torch.int32)
+    cache = QuantizedCache(codes, scale, zero, 8, residual, slots, plan)
+    store_keys_per_channel(key, cache)
+    assert equal(residual[0, 0], key[2]), "a partial block's key goes to its residual row as is"
+    assert zero[4].flatten().tolist() == [1.0, -2.0], (
+        "block 4 filled: per channel over its 4 keys (2 from the residual, 2 new), zero is "
+        f"each channel's minimum [1.0, -2.0]; got {zero[4].flatten().tolist()}"
+    )
+    assert allclose(scale[4].flatten(), torch.tensor([4.0 / 255, 9.0 / 255])), (
+        f"scale is each channel's (max - min) / 255: expected [4/255, 9/255], got "
+        f"{scale[4].flatten().tolist()}"
+    )
+    assert codes[4, :, 0, 0].tolist() == [0, 159, 255, 64], (
+        f"channel 0's codes over the block's keys 1, 3.5, 5, 2: expected [0, 159, 255, 64], got "
+        f"{codes[4, :, 0, 0].tolist()}"
+    )
+    assert not bool(codes[:4].any()) and not bool(codes[5].any()), "only block 4 is quantized"
+
+
+# ---- Part 3.7: the key residual between steps (KeyResidual.apply, partial_blocks) -------------
+
+
+def holding(residual: KeyResidual, blocks: dict[int, float]) -> KeyResidual:
+    """Give each block a residual slot (the given ``_take``) whose rows are all ``value``."""
+    for block, value in blocks.items():
+        residual.keys[:, residual._take(block)] = value
+    return residual
+
+
+def rows_of(residual: KeyResidual, block: int) -> float:
+    return float(residual.keys[:, residual._slots[block]].mean())
+
+
+def test_part7_slots_of_blocks_that_are_no_partial_block_are_given_back():
+    residual = holding(key_residual(), {1: 1.0, 2: 2.0, 3: 3.0})
+    residual.apply({}, {}, [], partial_gpu={2}, partial_cpu=set())
+    assert residual.gpu_blocks == {2} and residual.num_used == 1, (
+        "between steps only running sequences' partial blocks keep a slot (blocks that filled "
+        f"or were freed give theirs back); blocks holding a slot: {sorted(residual.gpu_blocks)}"
+    )
+    assert rows_of(residual, 2) == 2.0, "a kept slot keeps its rows"
+
+
+def test_part7_a_swapped_partial_block_takes_its_rows_to_the_cpu_and_back():
+    residual = holding(key_residual(), {4: 4.0})
+    residual.apply({4: 0}, {}, [], partial_gpu=set(), partial_cpu={0})
+    assert residual.cpu_blocks == {0} and residual.gpu_blocks == set(), (
+        "GPU block 4 swapped out to CPU block 0, the partial block of a swapped sequence: its "
+        "rows go with it to the CPU and its GPU slot is given back; CPU blocks holding rows "
+        f"{sorted(residual.cpu_blocks)}, GPU {sorted(residual.gpu_blocks)}"
+    )
+    residual.keys.zero_()
+    residual.apply({}, {0: 5}, [], partial_gpu={5}, partial_cpu=set())
+    assert residual.gpu_blocks == {5} and residual.cpu_blocks == set(), (
+        "swapped back in to GPU block 5 (a running sequence's partial block), it takes a slot "
+        f"again and the CPU copy is dropped; GPU {sorted(residual.gpu_blocks)}"
+    )
+    assert rows_of(residual, 5) == 4.0, "the rows came back as they left"
+
+
+def test_part7_rows_swapped_in_to_a_block_that_is_no_partial_block_are_not_kept():
+    residual = key_residual()
+    residual._swapped[1] = torch.full_like(residual.keys[:, 0], 1.0)  # CPU block 1's rows
+    residual.apply({}, {1: 3}, [], partial_gpu=set(), partial_cpu=set())
+    assert residual.num_used == 0 and residual.cpu_blocks == set(), (
+        "GPU block 3 is no running sequence's partial block: the rows swapped in with it take "
+        "no slot (and the CPU copy is dropped)"
+    )
+
+
+def test_part7_a_block_swapped_out_that_is_no_partial_block_takes_no_rows():
+    residual = holding(key_residual(), {4: 4.0})
+    residual.apply({4: 1}, {}, [], partial_gpu=set(), partial_cpu=set())
+    assert residual.cpu_blocks == set() and residual.num_used == 0, (
+        "a filled (or stale) block swapped out takes no residual rows: its codes are complete"
+    )
+
+
+def test_part7_copy_on_write_copies_the_residual_of_a_partial_block():
+    residual = holding(key_residual(), {2: 2.0})
+    residual.apply({}, {}, [(2, 3)], partial_gpu={2, 3}, partial_cpu=set())
+    assert residual.gpu_blocks == {2, 3} and rows_of(residual, 3) == 2.0, (
+        "copy-on-write of partial block 2 into 3: the target takes a slot with a copy of the "
+        f"source's rows; GPU blocks holding a slot {sorted(residual.gpu_blocks)}"
+    )
+    assert residual._slots[2] != residual._slots[3], "two blocks never share a slot"
+
+
+def test_part7_a_copys_source_that_is_no_partial_block_gives_its_slot_back_after_the_copy():
+    residual = holding(key_residual(), {2: 2.0})
+    residual.apply({}, {}, [(2, 3)], partial_gpu={3}, partial_cpu=set())
+    assert residual.gpu_blocks == {3} and rows_of(residual, 3) == 2.0, (
+        "block 2 is copied into 3 (the partial block) and is no partial block itself: its rows "
+        "are copied first, then its slot is given back"
+    )
+
+
+def test_part7_slots_are_given_back_before_any_is_taken():
+    residual = holding(key_residual(slots=1), {1: 1.0})
+    residual._swapped[2] = torch.full_like(residual.keys[:, 0], 7.0)  # CPU block 2's rows
+    residual.apply({}, {2: 4}, [], partial_gpu={4}, partial_cpu=set())
+    assert residual.gpu_blocks == {4} and rows_of(residual, 4) == 7.0, (
+        "with one slot, held by block 1 (no partial block now), swapping in block 4 needs it: "
+        "slots are given back before any is taken"
+    )
+
+
+def test_part7_rows_kept_for_a_block_that_is_no_longer_swapped_are_dropped():
+    residual = holding(key_residual(), {4: 4.0})
+    residual.apply({4: 0}, {}, [], partial_gpu=set(), partial_cpu={0})
+    residual.apply({}, {}, [], partial_gpu=set(), partial_cpu=set())
+    assert residual.cpu_blocks == set(), (
+        "CPU block 0's rows are dropped once it is no swapped sequence's partial block (its "
+        "sequence was aborted, say)"
+    )
+
+
+class StoredTokens:
+    """What ``partial_blocks`` reads of a ``Sequence`` (its contract names no other field): the
+    block table and how many of its tokens are stored. Phase 3 does not need Phase 1's code."""
+
+    def __init__(self, block_table: list[int], num_computed_tokens: int) -> None:
+        self.block_table = block_table
+        self.num_computed_tokens = num_computed_tokens
+
+
+def test_part7_partial_blocks_are_the_blocks_of_each_sequences_partial_tail():
+    seqs = [StoredTokens([5, 1], 6), StoredTokens([0, 2], 8), StoredTokens([4, 3], 3)]
+    got = partial_blocks(seqs, 4)
+    assert got == {1, 4}, (
+        "6 stored tokens end in block_table[6 // 4] = 1, 3 in block_table[0] = 4 (a table may "
+        "hold more blocks than the stored tokens use); 8 fill two blocks whole: no partial "
+        f"block; expected {{1, 4}}, got {got}"
     )

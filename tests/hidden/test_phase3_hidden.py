@@ -20,6 +20,7 @@ from test_seed import seeded
 from torch import allclose, equal, isnan
 
 from vkv.engine.cache_engine import QuantizedCache
+from vkv.engine.key_residual import KeyResidual, partial_blocks
 from vkv.engine.quantizer import (
     QuantizedTensor,
     Quantizer,
@@ -719,3 +720,154 @@ def test_part6_dequantize_blocks_reads_codes_or_the_residual(rng):
             "residual, any other its codes * scale + zero per (head, channel); "
             f"off by {diff:.3g}"
         )
+
+
+# ---- Parts 3.3 and 3.7: the key residual ---------------------------------------------------------
+
+
+@seeded
+def test_part3_plans_of_a_drawn_trace_follow_the_rules(rng):
+    """Sequences append chunks to their own blocks; an oracle of stored counts per block says
+    which blocks each step fills (from a residual or whole) and which stay partial."""
+    block = rng.randint(2, 5)
+    num_blocks = 24
+    residual = KeyResidual(1, block, 1, 2, torch.float32, num_blocks, 64, torch.device("cpu"))
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    seqs = [{"table": [], "stored": 0} for _ in range(rng.randint(1, 3))]
+    for step in range(8):
+        slots, owner = [], {}
+        for seq in seqs:
+            for _ in range(rng.randint(0, 2 * block)):
+                if seq["stored"] % block == 0:
+                    if not free:
+                        break
+                    seq["table"].append(free.pop())
+                b = seq["table"][seq["stored"] // block]
+                slots.append(b * block + seq["stored"] % block)
+                owner[b] = seq
+                seq["stored"] += 1
+        if rng.random() < 0.3:
+            slots.insert(rng.randint(0, len(slots)), -1)
+        first = {}
+        for s in slots:
+            if s >= 0:
+                first.setdefault(s // block, s % block)
+        filled = {b for b in first if any(s == b * block + block - 1 for s in slots)}
+        from_residual = [b for b in first if b in filled and first[b] > 0]
+        whole = [b for b in first if b in filled and first[b] == 0]
+        partial = [b for b in first if b not in filled]
+        plan = residual.plan(slots)
+        got = plan.fill_blocks.tolist()
+        assert got == from_residual + whole, (
+            f"step {step} (block size {block}, slots {slots}): fill_blocks lists the blocks "
+            f"filled from a residual slot {from_residual}, then those written whole {whole}; "
+            f"got {got}"
+        )
+        assert plan.fill_slots.tolist() == [residual._slots[b] for b in from_residual], (
+            "fill_slots: the residual slot of each block filled from one, in the same order"
+        )
+        expected_whole = [
+            [t for t, s in enumerate(slots) if s >= 0 and s // block == b] for b in whole
+        ]
+        assert plan.fill_tokens.tolist() == expected_whole, (
+            f"step {step}: fill_tokens, the batch rows of each block written whole in slot "
+            f"order: expected {expected_whole}, got {plan.fill_tokens.tolist()}"
+        )
+        rows = {}
+        for t, s in enumerate(slots):
+            if s >= 0 and s // block not in whole:
+                rows[t] = residual._slots[s // block] * block + s % block
+        got_rows = dict(
+            zip(plan.residual_tokens.tolist(), plan.residual_rows.tolist(), strict=True)
+        )
+        assert got_rows == rows, (
+            f"step {step}: each new key of a partial block or of a block filled from its "
+            f"residual goes to row slot * {block} + offset: expected {rows}, got {got_rows}"
+        )
+        marked = {b: int(v) for b, v in enumerate(residual.slot_of_block.tolist()) if v >= 0}
+        assert marked == {b: residual._slots[b] for b in partial}, (
+            f"step {step}: slot_of_block names the step's partial blocks {partial} only; got "
+            f"{marked}"
+        )
+
+
+@seeded
+def test_part7_apply_on_drawn_moves_keeps_exactly_the_partial_blocks_rows(rng):
+    for _ in range(5):
+        residual = KeyResidual(1, 2, 1, 2, torch.float32, 16, 16, torch.device("cpu"))
+        blocks = rng.sample(range(16), 10)
+        held = blocks[: rng.randint(1, 6)]
+        value = {}
+        for b in held:
+            value[b] = float(b + 1)
+            residual.keys[:, residual._take(b)] = value[b]
+        cpu_rows = {}
+        for c in rng.sample(range(8), rng.randint(0, 2)):
+            cpu_rows[c] = 100.0 + c
+            residual._swapped[c] = torch.full_like(residual.keys[:, 0], cpu_rows[c])
+        rest = [b for b in range(16) if b not in held]
+        out_gpu = rng.sample(held, rng.randint(0, min(2, len(held))))
+        cpus = [c for c in range(8, 16)]
+        swap_out = {g: cpus.pop() for g in out_gpu}
+        kept = [b for b in held if b not in out_gpu]
+        sources = rng.sample(kept, rng.randint(0, min(2, len(kept))))
+        targets = rng.sample(rest, len(sources) + 2)
+        copies = list(zip(sources, targets, strict=False))
+        swap_in = {c: targets[-1 - i] for i, c in enumerate(list(cpu_rows)[:2])}
+        partial_gpu = {b for b in kept + targets if rng.random() < 0.6}
+        partial_cpu = {c for c in list(swap_out.values()) + list(cpu_rows) if rng.random() < 0.6}
+        # the oracle: the rules of the module docstring, in order
+        gpu = dict(value)
+        cpu = dict(cpu_rows)
+        for g, c in swap_out.items():
+            cpu.pop(c, None)
+            if g in gpu and c in partial_cpu:
+                cpu[c] = gpu[g]
+        src = {s for s, _ in copies}
+        gpu = {b: v for b, v in gpu.items() if b in partial_gpu or b in src}
+        for c, g in swap_in.items():
+            rows = cpu.pop(c, None)
+            if rows is not None and g in partial_gpu:
+                gpu[g] = rows
+        for s_, d in copies:
+            if s_ in gpu and d in partial_gpu:
+                gpu[d] = gpu[s_]
+        gpu = {b: v for b, v in gpu.items() if b in partial_gpu}
+        cpu = {c: v for c, v in cpu.items() if c in partial_cpu}
+        residual.apply(swap_out, swap_in, copies, partial_gpu, partial_cpu)
+        got = {b: float(residual.keys[:, slot].mean()) for b, slot in residual._slots.items()}
+        assert got == gpu, (
+            f"held {value}, swap_out {swap_out}, swap_in {swap_in}, copies {copies}, partial "
+            f"GPU blocks {sorted(partial_gpu)}: after apply the GPU blocks holding rows (block: "
+            f"rows) must be {gpu}, got {got}"
+        )
+        assert len(set(residual._slots.values())) == len(residual._slots), "a slot per block"
+        got_cpu = {c: float(rows.mean()) for c, rows in residual._swapped.items()}
+        assert got_cpu == cpu, (
+            f"CPU blocks holding rows must be {cpu} (partial CPU blocks {sorted(partial_cpu)}), "
+            f"got {got_cpu}"
+        )
+
+
+class StoredTokens:
+    def __init__(self, block_table: list[int], num_computed_tokens: int) -> None:
+        self.block_table = block_table
+        self.num_computed_tokens = num_computed_tokens
+
+
+@seeded
+def test_part7_partial_blocks_of_drawn_sequences(rng):
+    block = rng.randint(1, 6)
+    seqs, expected = [], set()
+    for _ in range(rng.randint(1, 6)):
+        stored = rng.randint(1, 5 * block)
+        table = rng.sample(range(100), -(-stored // block) + rng.randint(0, 1))
+        seqs.append(StoredTokens(table, stored))
+        if stored % block:
+            expected.add(table[stored // block])
+    got = partial_blocks(seqs, block)
+    assert got == expected, (
+        f"block size {block}, (table, stored) "
+        f"{[(s.block_table, s.num_computed_tokens) for s in seqs]}: each sequence's block holding its partial tail, {expected}; got {got}"
+    )

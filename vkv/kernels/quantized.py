@@ -85,6 +85,7 @@ def store_keys_per_channel(key: torch.Tensor, k_cache) -> None:
     """Keys per channel (both backends): the step's plan (``KeyPlan``) sends each new key to its
     block's residual slot, then quantizes every block the step filled, per channel over its
     ``block_size`` tokens, into the block's codes, scale and zero."""
+    ### BEGIN SOLUTION part3.3
     plan, residual = k_cache.plan, k_cache.residual
     rows = residual.view(-1, *residual.shape[2:])
     rows[plan.residual_rows] = key[plan.residual_tokens].to(rows.dtype)
@@ -94,6 +95,7 @@ def store_keys_per_channel(key: torch.Tensor, k_cache) -> None:
     q = Quantizer(k_cache.bits, "per_channel").quantize(full.transpose(0, 1))  # tokens first
     for plane, part in ((k_cache.codes, q.codes), (k_cache.scale, q.scale), (k_cache.zero, q.zero)):
         plane[plan.fill_blocks] = part.transpose(0, 1).to(plane.dtype)
+    ### END SOLUTION
 
 
 def dequantize_blocks(cache, blocks: torch.Tensor) -> torch.Tensor:
