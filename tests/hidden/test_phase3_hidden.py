@@ -867,7 +867,8 @@ def test_part7_partial_blocks_of_drawn_sequences(rng):
         if stored % block:
             expected.add(table[stored // block])
     got = partial_blocks(seqs, block)
+    drawn = [(s.block_table, s.num_computed_tokens) for s in seqs]
     assert got == expected, (
-        f"block size {block}, (table, stored) "
-        f"{[(s.block_table, s.num_computed_tokens) for s in seqs]}: each sequence's block holding its partial tail, {expected}; got {got}"
+        f"block size {block}, (table, stored) {drawn}: each sequence's block holding its "
+        f"partial tail, {expected}; got {got}"
     )
