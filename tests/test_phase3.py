@@ -819,6 +819,7 @@ def test_part3_blocks_filled_from_a_residual_come_before_blocks_written_whole():
 
 def test_part3_a_block_written_past_offset_zero_without_a_residual_is_an_error():
     residual = key_residual()
+    residual.plan([0])  # block 0 from offset 0: fine (a stub fails here, not as a RuntimeError)
     with pytest.raises(
         RuntimeError,
         match=r"^block 4 is written from offset 2 but holds no key residual: its earlier keys "
