@@ -21,6 +21,9 @@ Contracts (the parts' tests check each):
   (``Quantizer``); a slot of -1 (padding) is skipped; if any key or value is NaN or infinite,
   it raises ``ValueError`` and writes nothing, neither keys nor values; keys per channel go to
   ``store_keys_per_channel`` (part 3.3) instead, values stay per token.
+- ``store_keys_per_channel`` (part 3.3) writes a step's keys per channel as the step's plan of
+  the key residual says: partial blocks' keys in full precision to the residual, filled blocks
+  quantized per channel into their planes.
 - ``dequantize_blocks`` (part 3.6) returns blocks as float32 values; for keys per channel, a
   block with a residual slot (``residual_slot[block] >= 0``) is read from the residual instead
   of its codes (its grid does not exist yet).
@@ -82,9 +85,19 @@ def store_quantized(
 
 
 def store_keys_per_channel(key: torch.Tensor, k_cache) -> None:
-    """Keys per channel (both backends): the step's plan (``KeyPlan``) sends each new key to its
-    block's residual slot, then quantizes every block the step filled, per channel over its
-    ``block_size`` tokens, into the block's codes, scale and zero."""
+    """Keys per channel (both backends call this): carry out the step's plan, ``k_cache.plan``
+    (a ``KeyPlan``, made by ``KeyResidual.plan``).
+
+    First, each batch row ``plan.residual_tokens[i]`` of ``key [num_tokens, kv_heads,
+    head_dim]`` is written, as it is (in the residual's dtype), to row ``plan.residual_rows[i]``
+    of ``k_cache.residual [num_slots, block_size, kv_heads, head_dim]`` seen as rows. Then every
+    block of ``plan.fill_blocks`` is quantized per channel over its ``block_size`` tokens (a
+    scale and a zero per head and channel, ``Quantizer(bits, "per_channel")``): the first
+    ``len(plan.fill_slots)`` blocks from those residual slots (which now hold the step's new
+    keys too), the others from the batch rows ``plan.fill_tokens [blocks, block_size]``; their
+    codes, scale and zero go to the block's entries of ``k_cache.codes``, ``scale`` and
+    ``zero``. Nothing else changes.
+    """
     ### BEGIN SOLUTION part3.3
     plan, residual = k_cache.plan, k_cache.residual
     rows = residual.view(-1, *residual.shape[2:])
