@@ -152,20 +152,20 @@ def quantized_decode_attention(
     """
     ### BEGIN SOLUTION part3.6
     batch, num_heads, head_dim = query.shape
+    width = block_tables.shape[1]
     _, block_size, num_kv_heads, _ = k_cache.codes.shape
     group = num_heads // num_kv_heads
-    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=query.device)
-    for i in range(batch):
-        context = int(context_lens[i])
-        blocks = block_tables[i, : (context + block_size - 1) // block_size].long()
-        keys = dequantize_blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:context]
-        values = dequantize_blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:context]
-        q = query[i].float().reshape(num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, keys.permute(1, 2, 0)) * scale  # [kv_heads, group, context]
-        weights = torch.softmax(scores, dim=-1)
-        rows = torch.matmul(weights, values.transpose(0, 1))  # [kv_heads, group, head_dim]
-        out[i] = rows.reshape(num_heads, head_dim)
-    return out.to(query.dtype)
+    blocks = block_tables.clamp(min=0).long().flatten()  # a -1 reads block 0: masked below
+    shape = (batch, width * block_size, num_kv_heads, head_dim)
+    keys = dequantize_blocks(k_cache, blocks).view(shape)
+    values = dequantize_blocks(v_cache, blocks).view(shape)
+    q = query.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)) * scale  # [batch, kv_heads, group, slots]
+    cached = torch.arange(width * block_size, device=query.device)[None, :] < context_lens[:, None]
+    scores = scores.masked_fill(~cached[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    out = torch.matmul(weights, values.transpose(1, 2))  # [batch, kv_heads, group, head_dim]
+    return out.reshape(batch, num_heads, head_dim).to(query.dtype)
     ### END SOLUTION
 
 
