@@ -18,12 +18,21 @@ from hypothesis_settings import graded_settings
 # solution region that replaced torch.equal (or allclose, isnan) later would not change them.
 from torch import allclose, equal, isnan
 
+from vkv.engine.cache_engine import QuantizedCache
+from vkv.engine.key_residual import KeyPlan, KeyResidual, partial_blocks
 from vkv.engine.quantizer import (
     QuantizedTensor,
     Quantizer,
     bytes_per_token,
     pack_int4,
     unpack_int4,
+)
+from vkv.kernels.quantized import (
+    dequantize_blocks,
+    quantized_decode_attention,
+    quantized_prefill_attention,
+    store_keys_per_channel,
+    store_quantized,
 )
 
 EPS = 1e-6
@@ -105,7 +114,11 @@ def test_part1_codes_scale_and_zero_per_token():
         f"INT8 keeps one uint8 code per element: expected uint8 {list(x.shape)}, got "
         f"{q.codes.dtype} {list(q.codes.shape)}"
     )
-    assert q.scale.dtype == q.zero.dtype == torch.float32
+    assert q.scale.dtype == torch.float32 and q.zero.dtype == torch.float32, (
+        "scales and zeros are float32 whatever the input's dtype (quantize computes in float32;"
+        f" the cache converts them when it stores them): got scale {q.scale.dtype}, zero "
+        f"{q.zero.dtype}"
+    )
     assert q.scale.shape == q.zero.shape == (2, 1), (
         f"per token: one scale and one zero per row, shaped [2, 1]; got {list(q.scale.shape)}"
     )
@@ -163,7 +176,9 @@ def test_part1_half_precision_input_is_quantized_in_float32_and_left_alone():
     quantizer = Quantizer(8)
     q = quantizer.quantize(x)
     assert equal(x, before), "quantize must not modify its input"
-    assert q.scale.dtype == torch.float32
+    assert q.scale.dtype == torch.float32, (
+        f"a float16 input is quantized in float32: its scales are float32, got {q.scale.dtype}"
+    )
     assert_within_half_a_step(x.float(), q, quantizer.dequantize(q))
 
 
@@ -325,3 +340,658 @@ def test_part4_unknown_formats_are_refused():
         bytes_per_token(1, 1, 8, "fp8")
     with pytest.raises(ValueError, match=r"^unknown key granularity 'per_block'$"):
         bytes_per_token(1, 1, 8, "int8", "per_block")
+
+
+# ---- Parts 3.5 and 3.6: the quantized paged cache (vkv/kernels/quantized.py) -----------------
+#
+# Caches are built here, plane by plane, as ``cache_engine.py`` lays them out: codes
+# [blocks, block_size, kv_heads, head_dim * bits / 8] and per-token scale and zero
+# [blocks, block_size, groups, 1]. The tests' own decoding (``decode_slot``, ``dense_values``)
+# reads the planes with the formulas of the handout, in float64, independently of the code
+# under test.
+
+NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 5, 4, 2, 4
+
+
+def empty_cache(bits: int, groups: int = KV_HEADS, dtype=torch.float32) -> QuantizedCache:
+    stored = HEAD_DIM * bits // 8
+    codes = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, stored, dtype=torch.uint8)
+    scale = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, groups, 1, dtype=dtype)
+    return QuantizedCache(codes, scale, scale.clone(), bits)
+
+
+def codes_of(cache: QuantizedCache) -> torch.Tensor:
+    """The unpacked codes of every slot: [slots, kv_heads, head_dim] (int64)."""
+    raw = cache.codes.reshape(-1, KV_HEADS, cache.codes.shape[-1]).long()
+    if cache.bits == 8:
+        return raw
+    return torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)
+
+
+def decode_slot(cache: QuantizedCache, slot: int) -> torch.Tensor:
+    """Slot ``slot``'s values [kv_heads, head_dim] in float64: codes * scale + zero per group."""
+    groups = cache.scale.shape[2]
+    codes = codes_of(cache)[slot].double().reshape(groups, -1)
+    scale = cache.scale.reshape(-1, groups, 1)[slot].double()
+    zero = cache.zero.reshape(-1, groups, 1)[slot].double()
+    return (codes * scale + zero).reshape(KV_HEADS, HEAD_DIM)
+
+
+def step_tensors(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g) * 3,
+        torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g) + 1,
+    )
+
+
+def assert_slot_holds(cache, slot, x, what, allowance=1e-5):
+    """``x [kv_heads, head_dim]`` stored at ``slot``: the group's min as zero, the decoded
+    values within half a step of x."""
+    groups = cache.scale.shape[2]
+    rows = x.double().reshape(groups, -1)
+    scale = cache.scale.reshape(-1, groups)[slot].double()
+    expected_scale = (rows.amax(1) - rows.amin(1)) / (2**cache.bits - 1)
+    assert allclose(scale, expected_scale, rtol=1e-3, atol=1e-6), (
+        f"{what} at slot {slot}: a group's scale is (max - min) / {2**cache.bits - 1} over its "
+        f"{rows.shape[1]} channels; expected {expected_scale.tolist()}, got {scale.tolist()}"
+    )
+    error = (decode_slot(cache, slot) - x.double()).abs().reshape(groups, -1)
+    worst = float((error - scale[:, None] / 2 - allowance).max())
+    assert worst <= 0, (
+        f"{what} at slot {slot}: codes * scale + zero must be within scale / 2 of the stored "
+        f"token; it is off by {worst:.3g} more"
+    )
+
+
+def written_slots(cache: QuantizedCache) -> list[int]:
+    """The slots whose codes, scale or zero are not all zero."""
+    codes = cache.codes.reshape(NUM_BLOCKS * BLOCK_SIZE, -1).ne(0).any(1)
+    scale = cache.scale.reshape(NUM_BLOCKS * BLOCK_SIZE, -1).ne(0).any(1)
+    zero = cache.zero.reshape(NUM_BLOCKS * BLOCK_SIZE, -1).ne(0).any(1)
+    return (codes | scale | zero).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_part5_each_token_lands_in_its_slot_quantized_per_token_and_head(bits):
+    key, value = step_tensors(3, seed=10)
+    k_cache, v_cache = empty_cache(bits), empty_cache(bits)
+    slots = [6, 0, 13]  # block 1 offset 2, block 0 offset 0, block 3 offset 1
+    store_quantized(key, value, k_cache, v_cache, torch.tensor(slots))
+    for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
+        assert sorted(written_slots(cache)) == sorted(slots), (
+            f"{what}: tokens go to slots {slots} (slot s is block s // {BLOCK_SIZE}, offset "
+            f"s % {BLOCK_SIZE}) and nowhere else; written: {written_slots(cache)}"
+        )
+        for token, slot in enumerate(slots):
+            assert_slot_holds(cache, slot, x[token], what)
+
+
+def test_part5_int8_codes_are_exact_on_a_known_token():
+    key = torch.tensor([[[0.0, 255.0, 10.0, 128.0], [-1.0, 1.0, 0.2, 0.5]]])
+    k_cache, v_cache = empty_cache(8), empty_cache(8)
+    store_quantized(key, key.clone(), k_cache, v_cache, torch.tensor([9]))
+    got = codes_of(k_cache)[9].tolist()
+    expected = [[0, 255, 10, 128], [0, 255, 153, 191]]
+    assert got == expected, (
+        f"INT8 per (token, head): code = round((x - min) / scale), scale = (max - min) / 255; "
+        f"slot 9 expected codes {expected}, got {got}"
+    )
+    zero = k_cache.zero[2, 1].flatten().tolist()
+    assert zero == [0.0, -1.0], f"zero is each head's minimum: expected [0.0, -1.0], got {zero}"
+
+
+def test_part5_int4_codes_are_packed_two_per_byte_low_nibble_first():
+    key = torch.tensor([[[0.0, 15.0, 3.0, 12.0], [1.0, 1.0, 1.0, 16.0]]])
+    k_cache, v_cache = empty_cache(4), empty_cache(4)
+    store_quantized(key, key.clone(), k_cache, v_cache, torch.tensor([2]))
+    got = k_cache.codes[0, 2].tolist()
+    expected = [[0 | 15 << 4, 3 | 12 << 4], [0 | 0 << 4, 0 | 15 << 4]]
+    assert got == expected, (
+        "INT4: codes 0..15, byte i holds channel 2i's code in bits 0-3 and channel 2i + 1's in "
+        f"bits 4-7 (pack_int4's order); slot 2 expected bytes {expected}, got {got}"
+    )
+
+
+def test_part5_padding_slots_are_skipped():
+    key, value = step_tensors(4, seed=11)
+    k_cache, v_cache = empty_cache(8), empty_cache(8)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([3, -1, 7, -1]))
+    for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
+        assert written_slots(cache) == [3, 7], (
+            f"{what}: a slot of -1 is padding and writes nothing (not the last slot, which "
+            f"index -1 would be); written: {written_slots(cache)}, expected [3, 7]"
+        )
+        assert_slot_holds(cache, 3, x[0], what)
+        assert_slot_holds(cache, 7, x[2], what)
+
+
+def test_part5_a_step_of_padding_only_writes_nothing():
+    key, value = step_tensors(2, seed=16)
+    k_cache, v_cache = empty_cache(4), empty_cache(4)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([-1, -1]))
+    assert written_slots(k_cache) == [] and written_slots(v_cache) == [], (
+        "every slot -1: a step of padding only writes nothing (and quantizes nothing: there is "
+        "no token to take a range of)"
+    )
+
+
+@pytest.mark.parametrize(
+    "where", ["a NaN key", "an infinite value", "a -inf key past the first token"]
+)
+def test_part5_a_nan_or_infinite_token_is_refused_and_nothing_is_written(where):
+    key, value = step_tensors(3, seed=12)
+    if where == "a NaN key":
+        key[0, 1, 2] = float("nan")
+    elif where == "an infinite value":
+        value[2, 0, 0] = float("inf")
+    else:
+        key[1, 0, 3] = -float("inf")
+    k_cache, v_cache = empty_cache(8), empty_cache(8)
+    with pytest.raises(ValueError, match=r"^cannot quantize NaN or infinite values"):
+        store_quantized(key, value, k_cache, v_cache, torch.tensor([0, 1, 2]))
+    assert written_slots(k_cache) == [] and written_slots(v_cache) == [], (
+        f"with {where}, the step is refused before anything is written: keys and values stay "
+        f"as they were (keys written {written_slots(k_cache)}, values {written_slots(v_cache)})"
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_part5_one_group_per_token_covers_all_its_heads(bits):
+    key, value = step_tensors(2, seed=13)
+    k_cache, v_cache = empty_cache(bits, groups=1), empty_cache(bits, groups=1)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([4, 18]))
+    expected = float(key[1].max() - key[1].min()) / (2**bits - 1)
+    got = float(k_cache.scale.reshape(-1)[18])
+    assert got == pytest.approx(expected, rel=1e-4), (
+        "with scale planes [blocks, block_size, 1, 1], one scale covers all of a token's "
+        f"{KV_HEADS} heads x {HEAD_DIM} channels: expected {expected:.6g}, got {got:.6g}"
+    )
+    for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
+        assert_slot_holds(cache, 4, x[0], what)
+        assert_slot_holds(cache, 18, x[1], what)
+
+
+def test_part5_scales_are_stored_in_the_planes_dtype():
+    key, value = step_tensors(1, seed=14)
+    k_cache, v_cache = empty_cache(8, dtype=torch.float16), empty_cache(8, dtype=torch.float16)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([5]))
+    assert k_cache.scale.dtype == torch.float16, "the planes are the cache's, never replaced"
+    assert_slot_holds(k_cache, 5, key[0], "keys", allowance=0.03)  # float16 scale and zero
+
+
+def test_part5_keys_per_channel_go_to_the_residual_values_per_token():
+    key, value = step_tensors(2, seed=15)
+    k_cache = empty_cache(8)
+    residual = torch.zeros(2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    none = torch.zeros(0, dtype=torch.long)
+    plan = KeyPlan(torch.tensor([0, 1]), torch.tensor([5, 6]), none, none, none.view(0, 4))
+    k_cache = QuantizedCache(
+        k_cache.codes,
+        torch.zeros(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM),
+        torch.zeros(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM),
+        8,
+        residual,
+        torch.full((NUM_BLOCKS,), -1, dtype=torch.int32),
+        plan,
+    )
+    v_cache = empty_cache(8)
+    store_quantized(key, value, k_cache, v_cache, torch.tensor([9, 10]))
+    rows = residual.view(-1, KV_HEADS, HEAD_DIM)
+    assert equal(rows[5:7], key), (
+        "keys per channel: the keys go to store_keys_per_channel, which writes them to the "
+        "residual rows of the step's plan (here rows 5 and 6, in full precision)"
+    )
+    assert not bool(k_cache.codes.any()), "a partial block's key codes are not written"
+    assert written_slots(v_cache) == [9, 10], "values are quantized per token as always"
+    assert_slot_holds(v_cache, 10, value[1], "values")
+
+
+def random_cache(bits: int, seed: int, groups: int = KV_HEADS) -> QuantizedCache:
+    """A cache of random codes, scales and zeros in every slot."""
+    g = torch.Generator().manual_seed(seed)
+    stored = HEAD_DIM * bits // 8
+    codes = torch.randint(0, 256, (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, stored), generator=g)
+    scale = torch.rand(NUM_BLOCKS, BLOCK_SIZE, groups, 1, generator=g) / (2**bits) * 4
+    zero = torch.randn(NUM_BLOCKS, BLOCK_SIZE, groups, 1, generator=g)
+    return QuantizedCache(codes.to(torch.uint8), scale, zero, bits)
+
+
+def dense_values(cache: QuantizedCache, table: list[int], length: int) -> torch.Tensor:
+    """A sequence's first ``length`` tokens [length, kv_heads, head_dim], float64, read through
+    its block table from the planes."""
+    slots = [table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(length)]
+    return torch.stack([decode_slot(cache, s) for s in slots])
+
+
+def dense_attention(q, keys, values, positions, scale):
+    """``q [rows, heads, dim]`` at ``positions`` attends to keys/values [ctx, kv_heads, dim]
+    up to its own position; float64, no cache."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dim]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.einsum("rhd,hcd->hrc", q.double(), k) * scale
+    visible = torch.arange(keys.shape[0])[None, :] <= torch.tensor(positions)[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hrc,hcd->rhd", weights, v)
+
+
+TABLES = [[3, 1], [0, -1], [4, 2], [2, 3]]  # blocks out of order; block 2 and 3 shared
+LENGTHS = [6, 3, 8, 5]  # 6 and 5 end inside a block; 8 fills two
+
+
+def assert_attention_close(got, expected, what):
+    assert got.shape == expected.shape, (
+        f"{what}: shape {list(got.shape)}, expected {list(expected.shape)}"
+    )
+    diff = float((got.double() - expected).abs().max())
+    assert diff < 1e-4, (
+        f"{what}: must equal softmax attention over the dequantized keys and values (float32); "
+        f"largest difference {diff:.3g}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("bits", "num_heads"), [(8, 2), (8, 4), (4, 4)], ids=["int8", "int8-gqa", "int4-gqa"]
+)
+def test_part6_decode_attends_to_each_sequences_dequantized_context(bits, num_heads):
+    k_cache, v_cache = random_cache(bits, 20), random_cache(bits, 21)
+    query = torch.randn(4, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(22))
+    got = quantized_decode_attention(
+        query, k_cache, v_cache, torch.tensor(TABLES, dtype=torch.int32), torch.tensor(LENGTHS), 0.5
+    )
+    for i, (table, length) in enumerate(zip(TABLES, LENGTHS, strict=True)):
+        expected = dense_attention(
+            query[i : i + 1],
+            dense_values(k_cache, table, length),
+            dense_values(v_cache, table, length),
+            [length - 1],
+            0.5,
+        )[0]
+        assert_attention_close(
+            got[i], expected, f"sequence {i} (table {table}, {length} tokens, {num_heads} heads)"
+        )
+
+
+def test_part6_decode_never_reads_past_a_context():
+    k_cache, v_cache = random_cache(8, 23), random_cache(8, 24)
+    tables, lengths = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([5])
+    query = torch.randn(1, 2, HEAD_DIM, generator=torch.Generator().manual_seed(25))
+    before = quantized_decode_attention(query, k_cache, v_cache, tables, lengths, 0.5)
+    for cache in (k_cache, v_cache):  # slots 9..11 (block 2, offsets 1..3) and block 0
+        cache.scale[2, 1:] = 1e4
+        cache.zero[2, 1:] = -1e4
+        cache.scale[0] = 1e4
+    after = quantized_decode_attention(query, k_cache, v_cache, tables, lengths, 0.5)
+    assert_attention_close(
+        after, before.double(), "slots at or past the context length (here 5) must not count"
+    )
+
+
+def test_part6_attention_returns_the_querys_dtype():
+    k_cache, v_cache = random_cache(8, 26), random_cache(8, 27)
+    query = torch.randn(2, 2, HEAD_DIM, generator=torch.Generator().manual_seed(28)).half()
+    got = quantized_decode_attention(
+        query,
+        k_cache,
+        v_cache,
+        torch.tensor([[0], [4]], dtype=torch.int32),
+        torch.tensor([2, 4]),
+        1.0,
+    )
+    assert got.dtype == torch.float16 and got.shape == (2, 2, HEAD_DIM), (
+        f"decode returns [batch, num_heads, head_dim] in the query's dtype: got {got.dtype} "
+        f"{list(got.shape)}"
+    )
+    got = quantized_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        torch.tensor([0, 1, 2]),
+        torch.tensor([[0], [4]]),
+        torch.tensor([2, 4]),
+        1.0,
+    )
+    assert got.dtype == torch.float16 and got.shape == (2, 2, HEAD_DIM), (
+        f"prefill returns [new_tokens, num_heads, head_dim] in the query's dtype: got "
+        f"{got.dtype} {list(got.shape)}"
+    )
+
+
+@pytest.mark.parametrize(("bits", "num_heads"), [(8, 2), (4, 4)], ids=["int8", "int4-gqa"])
+def test_part6_prefill_is_causal_over_the_cached_context(bits, num_heads):
+    k_cache, v_cache = random_cache(bits, 30, groups=1), random_cache(bits, 31, groups=1)
+    new = [6, 2, 3]  # sequence 0: a whole prompt; 1 and 2: chunks after a cached context
+    lengths = [6, 7, 5]
+    tables = [[3, 1], [0, 4], [2, 3]]
+    cu = torch.tensor([0, 6, 8, 11])
+    query = torch.randn(11, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(32))
+    got = quantized_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        cu,
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(lengths),
+        0.7,
+    )
+    for i in range(3):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        positions = list(range(lengths[i] - new[i], lengths[i]))
+        expected = dense_attention(
+            query[rows],
+            dense_values(k_cache, tables[i], lengths[i]),
+            dense_values(v_cache, tables[i], lengths[i]),
+            positions,
+            0.7,
+        )
+        assert_attention_close(
+            got[rows],
+            expected,
+            f"sequence {i}: new tokens at positions {positions} of {lengths[i]} attend to every "
+            "position up to their own",
+        )
+
+
+def test_part6_dequantize_blocks_reads_a_partial_blocks_keys_from_the_residual():
+    base = random_cache(8, 33)
+    residual = torch.randn(
+        2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(34)
+    )
+    slots = torch.full((NUM_BLOCKS,), -1, dtype=torch.int32)
+    slots[3], slots[4] = 1, 0
+    g = torch.Generator().manual_seed(35)
+    scale = torch.rand(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM, generator=g) / 64
+    zero = torch.randn(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM, generator=g)
+    keys = QuantizedCache(base.codes, scale, zero, 8, residual, slots, None)
+    got = dequantize_blocks(keys, torch.tensor([3, 0, 3, 4]))
+    assert got.shape == (4, BLOCK_SIZE, KV_HEADS, HEAD_DIM) and got.dtype == torch.float32, (
+        f"[len(blocks), block_size, kv_heads, head_dim] float32: got {got.dtype} {list(got.shape)}"
+    )
+    assert equal(got[0], residual[1]) and equal(got[2], residual[1]), (
+        "block 3 has residual slot 1 (residual_slot[3] == 1): its keys are residual[1], as "
+        "stored, not its codes"
+    )
+    assert equal(got[3], residual[0]), (
+        "block 4 has residual slot 0 (residual_slot[4] == 0; -1 means none): its keys are "
+        "residual[0]"
+    )
+    expected = base.codes[0].double() * scale[0].double() + zero[0].double()
+    assert allclose(got[1].double(), expected, atol=1e-5), (
+        "keys per channel: codes * scale + zero with the block's scale and zero per (head, "
+        "channel), shape [1, kv_heads, head_dim]"
+    )
+
+
+# ---- Part 3.3 (continued): the key residual's plan, and the store of a filled block -----------
+#
+# A KeyResidual of block size 4 over 6 GPU blocks, 3 residual slots; plans read from
+# KeyResidual.plan (slot s is block s // 4, offset s % 4).
+
+RES_BLOCK = 4
+
+
+def key_residual(slots: int = 3, layers: int = 1) -> KeyResidual:
+    return KeyResidual(layers, RES_BLOCK, 1, 2, torch.float32, 6, slots, torch.device("cpu"))
+
+
+def plan_lists(plan: KeyPlan) -> dict[str, list]:
+    return {
+        "residual_tokens": plan.residual_tokens.tolist(),
+        "residual_rows": plan.residual_rows.tolist(),
+        "fill_blocks": plan.fill_blocks.tolist(),
+        "fill_slots": plan.fill_slots.tolist(),
+        "fill_tokens": plan.fill_tokens.tolist(),
+    }
+
+
+def test_part3_a_partial_block_takes_a_residual_slot_for_its_new_keys():
+    residual = key_residual()
+    plan = plan_lists(residual.plan([8, 9, 10]))  # block 2, offsets 0..2: partial
+    slot = residual._slots.get(2)
+    assert slot is not None and residual.gpu_blocks == {2}, (
+        f"block 2 is written from offset 0 to 2 of 4: partial, it takes a residual slot; "
+        f"blocks holding a slot: {sorted(residual.gpu_blocks)}"
+    )
+    rows = [slot * RES_BLOCK + offset for offset in range(3)]
+    assert plan["residual_tokens"] == [0, 1, 2] and plan["residual_rows"] == rows, (
+        f"batch rows 0..2 go to residual rows slot * block_size + offset = {rows}; got tokens "
+        f"{plan['residual_tokens']} to rows {plan['residual_rows']}"
+    )
+    assert plan["fill_blocks"] == [] and plan["fill_tokens"] == [], "nothing filled"
+    assert residual.slot_of_block.tolist() == [-1, -1, slot, -1, -1, -1], (
+        "slot_of_block tells attention where the step's partial block's keys are: "
+        f"{residual.slot_of_block.tolist()}"
+    )
+    assert residual.current is not None and residual.current.residual_rows.tolist() == rows, (
+        "plan also leaves its plan in self.current (the cache hands it to the store)"
+    )
+
+
+def test_part3_a_block_written_whole_in_one_step_is_quantized_from_the_batch():
+    residual = key_residual()
+    plan = plan_lists(residual.plan([-1, 4, 5, 6, 7, 12]))  # block 1 whole; block 3 starts
+    assert plan["fill_blocks"] == [1] and plan["fill_slots"] == [], (
+        f"block 1 is written from offset 0 to its last: filled, quantized straight from the "
+        f"new keys without a residual slot; got fill_blocks {plan['fill_blocks']}, fill_slots "
+        f"{plan['fill_slots']}"
+    )
+    assert plan["fill_tokens"] == [[1, 2, 3, 4]], (
+        f"fill_tokens holds the batch rows of a block written whole, in slot order (row 0 is "
+        f"padding): expected [[1, 2, 3, 4]], got {plan['fill_tokens']}"
+    )
+    assert residual.gpu_blocks == {3} and plan["residual_tokens"] == [5], (
+        "only the partial block 3 takes a slot, for its one key"
+    )
+
+
+def test_part3_a_block_filled_from_its_residual_keeps_its_slot_for_the_step():
+    residual = key_residual()
+    residual.plan([20, 21])  # block 5, offsets 0..1
+    slot = residual._slots[5]
+    plan = plan_lists(residual.plan([22, 23, 0]))  # block 5 fills; block 0 starts
+    assert plan["fill_blocks"] == [5] and plan["fill_slots"] == [slot], (
+        f"block 5 fills this step from its residual slot {slot}: fill_blocks [5], fill_slots "
+        f"[{slot}]; got {plan['fill_blocks']}, {plan['fill_slots']}"
+    )
+    assert plan["residual_tokens"][:2] == [0, 1], (
+        "its new keys still go to its residual rows first (the block is quantized from them)"
+    )
+    assert plan["residual_rows"][:2] == [slot * RES_BLOCK + 2, slot * RES_BLOCK + 3]
+    assert residual.gpu_blocks == {5, 0}, (
+        "a filled block keeps its slot until the step is over (a re-run of the step reads the "
+        f"same rows); blocks holding a slot: {sorted(residual.gpu_blocks)}"
+    )
+    assert int(residual.slot_of_block[5]) == -1, (
+        "a filled block is read from its codes: slot_of_block is -1 for it"
+    )
+
+
+def test_part3_blocks_filled_from_a_residual_come_before_blocks_written_whole():
+    residual = key_residual()
+    residual.plan([12, 13, 14])  # block 3, offsets 0..2
+    plan = plan_lists(residual.plan([15, 4, 5, 6, 7]))  # block 3 fills; block 1 whole
+    assert plan["fill_blocks"] == [3, 1] and plan["fill_tokens"] == [[1, 2, 3, 4]], (
+        "fill_blocks lists the blocks filled from a residual slot first (with fill_slots), "
+        f"then those written whole (with fill_tokens); got {plan['fill_blocks']}"
+    )
+
+
+def test_part3_a_block_written_past_offset_zero_without_a_residual_is_an_error():
+    residual = key_residual()
+    residual.plan([0])  # block 0 from offset 0: fine (a stub fails here, not as a RuntimeError)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^block 4 is written from offset 2 but holds no key residual: its earlier keys "
+        r"are lost$",
+    ):
+        residual.plan([18, 19])
+
+
+def test_part3_a_block_written_again_from_offset_zero_gives_its_old_slot_back_first():
+    residual = key_residual(slots=1)
+    residual.plan([8])  # block 2 partial: the only slot
+    residual.plan([8, 9])  # the step runs again (a re-run, or the block's new owner)
+    assert residual.gpu_blocks == {2} and residual.num_used == 1, (
+        "written from offset 0, a block gives back the slot it still held before taking one: "
+        "with a single slot, the plan must not run out"
+    )
+
+
+def test_part3_a_block_written_whole_again_holds_no_slot():
+    residual = key_residual()
+    residual.plan([8])  # block 2 partial; then its owner frees it and a new one writes it whole
+    residual.plan([8, 9, 10, 11])
+    assert residual.num_used == 0 and residual.gpu_blocks == set(), (
+        "written from offset 0, block 2 gives back the slot it still held; written whole, it "
+        f"takes none: slots in use {residual.num_used}, blocks {sorted(residual.gpu_blocks)}"
+    )
+
+
+def test_part3_store_keys_per_channel_writes_residual_rows_and_quantizes_filled_blocks():
+    residual = torch.zeros(2, RES_BLOCK, 1, 2)
+    residual[1, :2] = torch.tensor([[[1.0, -2.0]], [[3.5, 0.0]]])  # block 4's first two keys
+    key = torch.tensor([[[5.0, 7.0]], [[2.0, 1.0]], [[9.0, 9.0]]])
+    plan = KeyPlan(
+        residual_tokens=torch.tensor([0, 1, 2]),
+        residual_rows=torch.tensor([1 * RES_BLOCK + 2, 1 * RES_BLOCK + 3, 0]),
+        fill_blocks=torch.tensor([4]),
+        fill_slots=torch.tensor([1]),
+        fill_tokens=torch.zeros(0, RES_BLOCK, dtype=torch.long),
+    )
+    codes = torch.zeros(6, RES_BLOCK, 1, 2, dtype=torch.uint8)
+    scale, zero = torch.zeros(6, 1, 1, 2), torch.zeros(6, 1, 1, 2)
+    slots = torch.full((6,), -1, dtype=torch.int32)
+    cache = QuantizedCache(codes, scale, zero, 8, residual, slots, plan)
+    store_keys_per_channel(key, cache)
+    assert equal(residual[0, 0], key[2]), "a partial block's key goes to its residual row as is"
+    assert zero[4].flatten().tolist() == [1.0, -2.0], (
+        "block 4 filled: per channel over its 4 keys (2 from the residual, 2 new), zero is "
+        f"each channel's minimum [1.0, -2.0]; got {zero[4].flatten().tolist()}"
+    )
+    assert allclose(scale[4].flatten(), torch.tensor([4.0 / 255, 9.0 / 255])), (
+        f"scale is each channel's (max - min) / 255: expected [4/255, 9/255], got "
+        f"{scale[4].flatten().tolist()}"
+    )
+    assert codes[4, :, 0, 0].tolist() == [0, 159, 255, 64], (
+        f"channel 0's codes over the block's keys 1, 3.5, 5, 2: expected [0, 159, 255, 64], got "
+        f"{codes[4, :, 0, 0].tolist()}"
+    )
+    assert not bool(codes[:4].any()) and not bool(codes[5].any()), "only block 4 is quantized"
+
+
+# ---- Part 3.7: the key residual between steps (KeyResidual.apply, partial_blocks) -------------
+
+
+def holding(residual: KeyResidual, blocks: dict[int, float]) -> KeyResidual:
+    """Give each block a residual slot (the given ``_take``) whose rows are all ``value``."""
+    for block, value in blocks.items():
+        residual.keys[:, residual._take(block)] = value
+    return residual
+
+
+def rows_of(residual: KeyResidual, block: int) -> float:
+    return float(residual.keys[:, residual._slots[block]].mean())
+
+
+def test_part7_slots_of_blocks_that_are_no_partial_block_are_given_back():
+    residual = holding(key_residual(), {1: 1.0, 2: 2.0, 3: 3.0})
+    residual.apply({}, {}, [], partial_gpu={2}, partial_cpu=set())
+    assert residual.gpu_blocks == {2} and residual.num_used == 1, (
+        "between steps only running sequences' partial blocks keep a slot (blocks that filled "
+        f"or were freed give theirs back); blocks holding a slot: {sorted(residual.gpu_blocks)}"
+    )
+    assert rows_of(residual, 2) == 2.0, "a kept slot keeps its rows"
+
+
+def test_part7_a_swapped_partial_block_takes_its_rows_to_the_cpu_and_back():
+    residual = holding(key_residual(), {4: 4.0})
+    residual.apply({4: 0}, {}, [], partial_gpu=set(), partial_cpu={0})
+    assert residual.cpu_blocks == {0} and residual.gpu_blocks == set(), (
+        "GPU block 4 swapped out to CPU block 0, the partial block of a swapped sequence: its "
+        "rows go with it to the CPU and its GPU slot is given back; CPU blocks holding rows "
+        f"{sorted(residual.cpu_blocks)}, GPU {sorted(residual.gpu_blocks)}"
+    )
+    residual.keys.zero_()
+    residual.apply({}, {0: 5}, [], partial_gpu={5}, partial_cpu=set())
+    assert residual.gpu_blocks == {5} and residual.cpu_blocks == set(), (
+        "swapped back in to GPU block 5 (a running sequence's partial block), it takes a slot "
+        f"again and the CPU copy is dropped; GPU {sorted(residual.gpu_blocks)}"
+    )
+    assert rows_of(residual, 5) == 4.0, "the rows came back as they left"
+
+
+def test_part7_rows_swapped_in_to_a_block_that_is_no_partial_block_are_not_kept():
+    residual = key_residual()
+    residual._swapped[1] = torch.full_like(residual.keys[:, 0], 1.0)  # CPU block 1's rows
+    residual.apply({}, {1: 3}, [], partial_gpu=set(), partial_cpu=set())
+    assert residual.num_used == 0 and residual.cpu_blocks == set(), (
+        "GPU block 3 is no running sequence's partial block: the rows swapped in with it take "
+        "no slot (and the CPU copy is dropped)"
+    )
+
+
+def test_part7_a_block_swapped_out_that_is_no_partial_block_takes_no_rows():
+    residual = holding(key_residual(), {4: 4.0})
+    residual.apply({4: 1}, {}, [], partial_gpu=set(), partial_cpu=set())
+    assert residual.cpu_blocks == set() and residual.num_used == 0, (
+        "a filled (or stale) block swapped out takes no residual rows: its codes are complete"
+    )
+
+
+def test_part7_copy_on_write_copies_the_residual_of_a_partial_block():
+    residual = holding(key_residual(), {2: 2.0})
+    residual.apply({}, {}, [(2, 3)], partial_gpu={2, 3}, partial_cpu=set())
+    assert residual.gpu_blocks == {2, 3} and rows_of(residual, 3) == 2.0, (
+        "copy-on-write of partial block 2 into 3: the target takes a slot with a copy of the "
+        f"source's rows; GPU blocks holding a slot {sorted(residual.gpu_blocks)}"
+    )
+    assert residual._slots[2] != residual._slots[3], "two blocks never share a slot"
+
+
+def test_part7_a_copys_source_that_is_no_partial_block_gives_its_slot_back_after_the_copy():
+    residual = holding(key_residual(), {2: 2.0})
+    residual.apply({}, {}, [(2, 3)], partial_gpu={3}, partial_cpu=set())
+    assert residual.gpu_blocks == {3} and rows_of(residual, 3) == 2.0, (
+        "block 2 is copied into 3 (the partial block) and is no partial block itself: its rows "
+        "are copied first, then its slot is given back"
+    )
+
+
+def test_part7_slots_are_given_back_before_any_is_taken():
+    residual = holding(key_residual(slots=1), {1: 1.0})
+    residual._swapped[2] = torch.full_like(residual.keys[:, 0], 7.0)  # CPU block 2's rows
+    residual.apply({}, {2: 4}, [], partial_gpu={4}, partial_cpu=set())
+    assert residual.gpu_blocks == {4} and rows_of(residual, 4) == 7.0, (
+        "with one slot, held by block 1 (no partial block now), swapping in block 4 needs it: "
+        "slots are given back before any is taken"
+    )
+
+
+def test_part7_rows_kept_for_a_block_that_is_no_longer_swapped_are_dropped():
+    residual = holding(key_residual(), {4: 4.0})
+    residual.apply({4: 0}, {}, [], partial_gpu=set(), partial_cpu={0})
+    residual.apply({}, {}, [], partial_gpu=set(), partial_cpu=set())
+    assert residual.cpu_blocks == set(), (
+        "CPU block 0's rows are dropped once it is no swapped sequence's partial block (its "
+        "sequence was aborted, say)"
+    )
+
+
+class StoredTokens:
+    """What ``partial_blocks`` reads of a ``Sequence`` (its contract names no other field): the
+    block table and how many of its tokens are stored. Phase 3 does not need Phase 1's code."""
+
+    def __init__(self, block_table: list[int], num_computed_tokens: int) -> None:
+        self.block_table = block_table
+        self.num_computed_tokens = num_computed_tokens
+
+
+def test_part7_partial_blocks_are_the_blocks_of_each_sequences_partial_tail():
+    seqs = [StoredTokens([5, 1], 6), StoredTokens([0, 2], 8), StoredTokens([4, 3], 3)]
+    got = partial_blocks(seqs, 4)
+    assert got == {1, 4}, (
+        "6 stored tokens end in block_table[6 // 4] = 1, 3 in block_table[0] = 4 (a table may "
+        "hold more blocks than the stored tokens use); 8 fill two blocks whole: no partial "
+        f"block; expected {{1, 4}}, got {got}"
+    )

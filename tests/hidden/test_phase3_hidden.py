@@ -19,6 +19,8 @@ import torch
 from test_seed import seeded
 from torch import allclose, equal, isnan
 
+from vkv.engine.cache_engine import QuantizedCache
+from vkv.engine.key_residual import KeyResidual, partial_blocks
 from vkv.engine.quantizer import (
     QuantizedTensor,
     Quantizer,
@@ -26,6 +28,12 @@ from vkv.engine.quantizer import (
     bytes_per_token,
     pack_int4,
     unpack_int4,
+)
+from vkv.kernels.quantized import (
+    dequantize_blocks,
+    quantized_decode_attention,
+    quantized_prefill_attention,
+    store_quantized,
 )
 
 EPS = 1e-6  # the float32 allowance of the visible tests: EPS * max|x| on top of scale / 2
@@ -475,3 +483,392 @@ def test_part4_unknown_formats_are_refused(rng):
         bytes_per_token(rng.randint(1, 8), rng.randint(1, 8), 8, rng.choice(["int8", "int4"]), name)
     want = f"unknown key granularity {name!r}"
     assert str(raised.value) == want, f"expected {want!r}, got {raised.value!r}"
+
+
+# ---- Parts 3.5 and 3.6: the quantized paged cache ---------------------------------------------
+
+
+def draw_layout(rng) -> dict:
+    """A cache's geometry: blocks, block size, KV heads, an even head_dim, bits, groups."""
+    heads = rng.randint(1, 3)
+    return {
+        "blocks": rng.randint(3, 7),
+        "block_size": rng.randint(1, 5),
+        "heads": heads,
+        "dim": 2 * rng.randint(1, 4),
+        "bits": rng.choice([8, 4]),
+        "groups": rng.choice([heads, 1]),
+    }
+
+
+def new_cache(layout: dict, fill: torch.Generator | None = None) -> QuantizedCache:
+    """An empty cache of ``layout`` (all zero), or with random planes from ``fill``."""
+    b, s, h, d, bits = (layout[k] for k in ("blocks", "block_size", "heads", "dim", "bits"))
+    stored = d * bits // 8
+    if fill is None:
+        codes = torch.zeros(b, s, h, stored, dtype=torch.uint8)
+        scale = torch.zeros(b, s, layout["groups"], 1)
+        return QuantizedCache(codes, scale, scale.clone(), bits)
+    codes = torch.randint(0, 256, (b, s, h, stored), generator=fill).to(torch.uint8)
+    scale = torch.rand(b, s, layout["groups"], 1, generator=fill) * 4 / 2**bits
+    zero = torch.randn(b, s, layout["groups"], 1, generator=fill)
+    return QuantizedCache(codes, scale, zero, bits)
+
+
+def slot_values(cache: QuantizedCache, slot: int) -> list[float]:
+    """A slot's values from the planes, float64 Python arithmetic: ``[heads * dim]``."""
+    flat = cache.codes.reshape(-1, cache.codes.shape[2] * cache.codes.shape[3])[slot].tolist()
+    codes = flat if cache.bits == 8 else [c for byte in flat for c in (byte & 15, byte >> 4)]
+    groups = cache.scale.shape[2]
+    scales = cache.scale.reshape(-1, groups)[slot].double().tolist()
+    zeros = cache.zero.reshape(-1, groups)[slot].double().tolist()
+    width = len(codes) // groups
+    return [c * scales[i // width] + zeros[i // width] for i, c in enumerate(codes)]
+
+
+def touched(cache: QuantizedCache) -> set[int]:
+    slots = cache.codes.shape[0] * cache.codes.shape[1]
+    planes = (cache.codes, cache.scale, cache.zero)
+    changed = torch.zeros(slots, dtype=torch.bool)
+    for plane in planes:
+        changed |= plane.reshape(slots, -1).ne(0).any(1)
+    return set(changed.nonzero().flatten().tolist())
+
+
+@seeded
+def test_part5_every_token_of_a_step_reads_back_within_half_a_step(rng):
+    for _ in range(4):
+        layout = draw_layout(rng)
+        slots_in_cache = layout["blocks"] * layout["block_size"]
+        tokens = rng.randint(1, slots_in_cache)
+        slots = rng.sample(range(slots_in_cache), tokens)
+        for i in range(tokens):
+            if rng.random() < 0.2:
+                slots[i] = -1
+        g = generator(rng)
+        shape = (tokens, layout["heads"], layout["dim"])
+        key = torch.randn(*shape, generator=g) * 10 ** rng.uniform(-2, 2)
+        value = torch.randn(*shape, generator=g) + rng.uniform(-5, 5)
+        k_cache, v_cache = new_cache(layout), new_cache(layout)
+        store_quantized(key, value, k_cache, v_cache, torch.tensor(slots))
+        stored = {slot for slot in slots if slot >= 0}
+        for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
+            assert touched(cache) <= stored, (
+                f"{what}: only the step's slots {sorted(stored)} change (-1 is padding); "
+                f"changed: {sorted(touched(cache))} ({layout})"
+            )
+            width = layout["heads"] * layout["dim"] // layout["groups"]
+            levels = 2 ** layout["bits"] - 1
+            for token, slot in enumerate(slots):
+                if slot < 0:
+                    continue
+                row = x[token].reshape(-1).double().tolist()
+                back = slot_values(cache, slot)
+                for g0 in range(0, len(row), width):
+                    group = row[g0 : g0 + width]
+                    step = (max(group) - min(group)) / levels
+                    allowed = step / 2 + 1e-5 * max(1.0, max(abs(v) for v in group))
+                    worst = max(
+                        abs(a - b) for a, b in zip(group, back[g0 : g0 + width], strict=True)
+                    )
+                    assert worst <= allowed * (1 + 1e-3), (
+                        f"{what}, token {token} at slot {slot}: a group of {width} channels "
+                        f"reads back within scale / 2 = {step / 2:.4g}; off by {worst:.4g} "
+                        f"({layout})"
+                    )
+
+
+@seeded
+def test_part5_a_non_finite_token_anywhere_writes_nothing(rng):
+    for _ in range(4):
+        layout = draw_layout(rng)
+        tokens = rng.randint(1, layout["blocks"] * layout["block_size"])
+        g = generator(rng)
+        shape = (tokens, layout["heads"], layout["dim"])
+        key, value = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        bad = rng.choice([key, value])
+        where = tuple(rng.randrange(n) for n in shape)
+        bad[where] = rng.choice([float("nan"), float("inf"), -float("inf")])
+        k_cache, v_cache = new_cache(layout), new_cache(layout)
+        with pytest.raises(ValueError, match=r"^cannot quantize NaN or infinite values"):
+            store_quantized(key, value, k_cache, v_cache, torch.arange(tokens))
+        assert not touched(k_cache) and not touched(v_cache), (
+            f"a NaN or infinity at {where} of the {'keys' if bad is key else 'values'}: the step "
+            "is refused before anything is written, keys and values alike"
+        )
+
+
+def draw_tables(rng, layout: dict, batch: int) -> tuple[list[list[int]], list[int]]:
+    """Block tables (distinct blocks a sequence, -1 padding to the widest) and lengths."""
+    width = rng.randint(1, layout["blocks"])
+    tables, lengths = [], []
+    for _ in range(batch):
+        used = rng.randint(1, width)
+        tables.append(rng.sample(range(layout["blocks"]), used) + [-1] * (width - used))
+        lengths.append(
+            rng.randint((used - 1) * layout["block_size"] + 1, used * layout["block_size"])
+        )
+    return tables, lengths
+
+
+def oracle_rows(q, k_cache, v_cache, table, positions, scale):
+    """Attention for query rows ``q [rows, heads * group, dim]`` at ``positions``, float64 from
+    the planes' formula, read slot by slot through ``table``."""
+    block = k_cache.codes.shape[1]
+    kv_heads, dim = k_cache.codes.shape[2], q.shape[2]
+    group = q.shape[1] // kv_heads
+    context = max(positions) + 1
+    slot = [table[p // block] * block + p % block for p in range(context)]
+    keys = torch.tensor([slot_values(k_cache, s) for s in slot], dtype=torch.float64)
+    values = torch.tensor([slot_values(v_cache, s) for s in slot], dtype=torch.float64)
+    keys, values = keys.view(context, kv_heads, dim), values.view(context, kv_heads, dim)
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for r, pos in enumerate(positions):
+        for h in range(q.shape[1]):
+            kv = h // group
+            scores = (keys[: pos + 1, kv] @ q[r, h].double()) * scale
+            weights = torch.softmax(scores, 0)
+            out[r, h] = weights @ values[: pos + 1, kv]
+    return out
+
+
+@seeded
+def test_part6_decode_equals_dense_attention_on_drawn_tables(rng):
+    for _ in range(3):
+        layout = draw_layout(rng)
+        group = rng.choice([1, 2, 3])
+        batch = rng.randint(1, 4)
+        tables, lengths = draw_tables(rng, layout, batch)
+        g = generator(rng)
+        k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
+        query = torch.randn(batch, layout["heads"] * group, layout["dim"], generator=g)
+        scale = rng.uniform(0.1, 1.0)
+        got = quantized_decode_attention(
+            query, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lengths), scale,
+        )  # fmt: skip
+        for i in range(batch):
+            expected = oracle_rows(
+                query[i : i + 1], k_cache, v_cache, tables[i], [lengths[i] - 1], scale
+            )
+            diff = float((got[i].double() - expected[0]).abs().max())
+            assert diff < 1e-4, (
+                f"sequence {i} (table {tables[i]}, {lengths[i]} tokens, block size "
+                f"{layout['block_size']}, {group} query heads per KV head): decode must equal "
+                f"attention over the dequantized context; off by {diff:.3g}"
+            )
+
+
+@seeded
+def test_part6_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
+    for _ in range(3):
+        layout = draw_layout(rng)
+        group = rng.choice([1, 2])
+        batch = rng.randint(1, 3)
+        tables, lengths = draw_tables(rng, layout, batch)
+        new = [rng.randint(1, length) for length in lengths]
+        cu = [0]
+        for n in new:
+            cu.append(cu[-1] + n)
+        g = generator(rng)
+        k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
+        query = torch.randn(cu[-1], layout["heads"] * group, layout["dim"], generator=g)
+        scale = rng.uniform(0.1, 1.0)
+        got = quantized_prefill_attention(
+            query, k_cache, v_cache, torch.tensor(cu), torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lengths), scale,
+        )  # fmt: skip
+        for i in range(batch):
+            positions = list(range(lengths[i] - new[i], lengths[i]))
+            rows = slice(cu[i], cu[i + 1])
+            expected = oracle_rows(query[rows], k_cache, v_cache, tables[i], positions, scale)
+            diff = float((got[rows].double() - expected).abs().max())
+            assert diff < 1e-4, (
+                f"sequence {i}: its {new[i]} new tokens at positions {positions[0]}.."
+                f"{positions[-1]} of {lengths[i]} attend causally to the dequantized context; "
+                f"off by {diff:.3g} (table {tables[i]}, block size {layout['block_size']})"
+            )
+
+
+@seeded
+def test_part6_dequantize_blocks_reads_codes_or_the_residual(rng):
+    layout = draw_layout(rng)
+    layout["groups"] = layout["heads"]
+    g = generator(rng)
+    base = new_cache(layout, g)
+    b, s, h, d = layout["blocks"], layout["block_size"], layout["heads"], layout["dim"]
+    scale = torch.rand(b, 1, h, d, generator=g) / 32
+    zero = torch.randn(b, 1, h, d, generator=g)
+    residual = torch.randn(3, s, h, d, generator=g)
+    slots = torch.full((b,), -1, dtype=torch.int32)
+    partial = rng.sample(range(b), 2)
+    slots[partial[0]], slots[partial[1]] = rng.sample(range(3), 2)
+    keys = QuantizedCache(base.codes, scale, zero, layout["bits"], residual, slots, None)
+    blocks = [rng.randrange(b) for _ in range(rng.randint(1, 6))]
+    got = dequantize_blocks(keys, torch.tensor(blocks))
+    codes = base.codes.long()
+    if layout["bits"] == 4:
+        codes = torch.stack((codes & 15, codes >> 4), -1).flatten(-2)
+    for i, block in enumerate(blocks):
+        if int(slots[block]) >= 0:
+            expected = residual[int(slots[block])].double()
+        else:
+            expected = codes[block].double() * scale[block].double() + zero[block].double()
+        diff = float((got[i].double() - expected).abs().max())
+        assert diff < 1e-5, (
+            f"block {block} (residual slot {int(slots[block])}): a partial block reads its "
+            "residual, any other its codes * scale + zero per (head, channel); "
+            f"off by {diff:.3g}"
+        )
+
+
+# ---- Parts 3.3 and 3.7: the key residual ---------------------------------------------------------
+
+
+@seeded
+def test_part3_plans_of_a_drawn_trace_follow_the_rules(rng):
+    """Sequences append chunks to their own blocks; an oracle of stored counts per block says
+    which blocks each step fills (from a residual or whole) and which stay partial."""
+    block = rng.randint(2, 5)
+    num_blocks = 24
+    residual = KeyResidual(1, block, 1, 2, torch.float32, num_blocks, 64, torch.device("cpu"))
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    seqs = [{"table": [], "stored": 0} for _ in range(rng.randint(1, 3))]
+    for step in range(8):
+        slots, owner = [], {}
+        for seq in seqs:
+            for _ in range(rng.randint(0, 2 * block)):
+                if seq["stored"] % block == 0:
+                    if not free:
+                        break
+                    seq["table"].append(free.pop())
+                b = seq["table"][seq["stored"] // block]
+                slots.append(b * block + seq["stored"] % block)
+                owner[b] = seq
+                seq["stored"] += 1
+        if rng.random() < 0.3:
+            slots.insert(rng.randint(0, len(slots)), -1)
+        first = {}
+        for s in slots:
+            if s >= 0:
+                first.setdefault(s // block, s % block)
+        filled = {b for b in first if any(s == b * block + block - 1 for s in slots)}
+        from_residual = [b for b in first if b in filled and first[b] > 0]
+        whole = [b for b in first if b in filled and first[b] == 0]
+        partial = [b for b in first if b not in filled]
+        plan = residual.plan(slots)
+        got = plan.fill_blocks.tolist()
+        assert got == from_residual + whole, (
+            f"step {step} (block size {block}, slots {slots}): fill_blocks lists the blocks "
+            f"filled from a residual slot {from_residual}, then those written whole {whole}; "
+            f"got {got}"
+        )
+        assert plan.fill_slots.tolist() == [residual._slots[b] for b in from_residual], (
+            "fill_slots: the residual slot of each block filled from one, in the same order"
+        )
+        expected_whole = [
+            [t for t, s in enumerate(slots) if s >= 0 and s // block == b] for b in whole
+        ]
+        assert plan.fill_tokens.tolist() == expected_whole, (
+            f"step {step}: fill_tokens, the batch rows of each block written whole in slot "
+            f"order: expected {expected_whole}, got {plan.fill_tokens.tolist()}"
+        )
+        rows = {}
+        for t, s in enumerate(slots):
+            if s >= 0 and s // block not in whole:
+                rows[t] = residual._slots[s // block] * block + s % block
+        got_rows = dict(
+            zip(plan.residual_tokens.tolist(), plan.residual_rows.tolist(), strict=True)
+        )
+        assert got_rows == rows, (
+            f"step {step}: each new key of a partial block or of a block filled from its "
+            f"residual goes to row slot * {block} + offset: expected {rows}, got {got_rows}"
+        )
+        marked = {b: int(v) for b, v in enumerate(residual.slot_of_block.tolist()) if v >= 0}
+        assert marked == {b: residual._slots[b] for b in partial}, (
+            f"step {step}: slot_of_block names the step's partial blocks {partial} only; got "
+            f"{marked}"
+        )
+
+
+@seeded
+def test_part7_apply_on_drawn_moves_keeps_exactly_the_partial_blocks_rows(rng):
+    for _ in range(5):
+        residual = KeyResidual(1, 2, 1, 2, torch.float32, 16, 16, torch.device("cpu"))
+        blocks = rng.sample(range(16), 10)
+        held = blocks[: rng.randint(1, 6)]
+        value = {}
+        for b in held:
+            value[b] = float(b + 1)
+            residual.keys[:, residual._take(b)] = value[b]
+        cpu_rows = {}
+        for c in rng.sample(range(8), rng.randint(0, 2)):
+            cpu_rows[c] = 100.0 + c
+            residual._swapped[c] = torch.full_like(residual.keys[:, 0], cpu_rows[c])
+        rest = [b for b in range(16) if b not in held]
+        out_gpu = rng.sample(held, rng.randint(0, min(2, len(held))))
+        cpus = [c for c in range(8, 16)]
+        swap_out = {g: cpus.pop() for g in out_gpu}
+        kept = [b for b in held if b not in out_gpu]
+        sources = rng.sample(kept, rng.randint(0, min(2, len(kept))))
+        targets = rng.sample(rest, len(sources) + 2)
+        copies = list(zip(sources, targets, strict=False))
+        swap_in = {c: targets[-1 - i] for i, c in enumerate(list(cpu_rows)[:2])}
+        partial_gpu = {b for b in kept + targets if rng.random() < 0.6}
+        partial_cpu = {c for c in list(swap_out.values()) + list(cpu_rows) if rng.random() < 0.6}
+        # the oracle: the rules of the module docstring, in order
+        gpu = dict(value)
+        cpu = dict(cpu_rows)
+        for g, c in swap_out.items():
+            cpu.pop(c, None)
+            if g in gpu and c in partial_cpu:
+                cpu[c] = gpu[g]
+        src = {s for s, _ in copies}
+        gpu = {b: v for b, v in gpu.items() if b in partial_gpu or b in src}
+        for c, g in swap_in.items():
+            rows = cpu.pop(c, None)
+            if rows is not None and g in partial_gpu:
+                gpu[g] = rows
+        for s_, d in copies:
+            if s_ in gpu and d in partial_gpu:
+                gpu[d] = gpu[s_]
+        gpu = {b: v for b, v in gpu.items() if b in partial_gpu}
+        cpu = {c: v for c, v in cpu.items() if c in partial_cpu}
+        residual.apply(swap_out, swap_in, copies, partial_gpu, partial_cpu)
+        got = {b: float(residual.keys[:, slot].mean()) for b, slot in residual._slots.items()}
+        assert got == gpu, (
+            f"held {value}, swap_out {swap_out}, swap_in {swap_in}, copies {copies}, partial "
+            f"GPU blocks {sorted(partial_gpu)}: after apply the GPU blocks holding rows (block: "
+            f"rows) must be {gpu}, got {got}"
+        )
+        assert len(set(residual._slots.values())) == len(residual._slots), "a slot per block"
+        got_cpu = {c: float(rows.mean()) for c, rows in residual._swapped.items()}
+        assert got_cpu == cpu, (
+            f"CPU blocks holding rows must be {cpu} (partial CPU blocks {sorted(partial_cpu)}), "
+            f"got {got_cpu}"
+        )
+
+
+class StoredTokens:
+    def __init__(self, block_table: list[int], num_computed_tokens: int) -> None:
+        self.block_table = block_table
+        self.num_computed_tokens = num_computed_tokens
+
+
+@seeded
+def test_part7_partial_blocks_of_drawn_sequences(rng):
+    block = rng.randint(1, 6)
+    seqs, expected = [], set()
+    for _ in range(rng.randint(1, 6)):
+        stored = rng.randint(1, 5 * block)
+        table = rng.sample(range(100), -(-stored // block) + rng.randint(0, 1))
+        seqs.append(StoredTokens(table, stored))
+        if stored % block:
+            expected.add(table[stored // block])
+    got = partial_blocks(seqs, block)
+    drawn = [(s.block_table, s.num_computed_tokens) for s in seqs]
+    assert got == expected, (
+        f"block size {block}, (table, stored) {drawn}: each sequence's block holding its "
+        f"partial tail, {expected}; got {got}"
+    )

@@ -8,6 +8,9 @@ block. When a step writes a block's last slot, the block's tokens (residual rows
 are quantized per channel into the block's codes and its slot is given back. This is KIVI's
 residual with the group size set to the block size; values are quantized per token as they come.
 
+This module is graded (Phase 3): ``plan`` and ``_group_by_block`` are part 3.3, ``apply`` and
+``partial_blocks`` part 3.7; ``_take``, ``_give_back`` and ``_tensor`` are given.
+
 Each ``ModelRunner.execute`` calls ``plan(slots)`` with the step's slot of every new token. For
 each block the step writes, in order of its slots:
 
@@ -32,9 +35,11 @@ tail of its stored tokens (``partial_blocks``):
    (else, filled or stale, its slot is just given back);
 2. every slot of a block that is no running sequence's partial block is given back: blocks that
    filled, blocks their owner freed (finished, aborted, preempted by recompute), even when the
-   scheduler has already handed them to a new owner that has not written them yet;
+   scheduler has already handed them to a new owner that has not written them yet; a copy's
+   source keeps its slot until step 3 has copied it;
 3. a block swapped in gets its rows back, and a copy-on-write copies its source's rows, if the
-   target is a partial block;
+   target is a partial block (a target that still held a slot gives it back first); then a
+   source that is no partial block gives its slot back;
 4. rows kept on the CPU for a block that is no swapped sequence's partial block are dropped.
 
 Slots are given back before any is taken, so in use are at most one per running sequence
@@ -117,7 +122,19 @@ class KeyResidual:
         return set(self._swapped)
 
     def plan(self, slots: list[int]) -> KeyPlan:
-        """The step's key writes for the slots of its tokens (-1: padding); see the module."""
+        """The step's key writes for the slots of its tokens (-1: padding), by the rules of the
+        module docstring; also ``self.current``.
+
+        Every block written from offset 0 gives back the slot it still held before any slot is
+        taken; a block written from a later offset without a slot is a ``RuntimeError`` ("block
+        7 is written from offset 2 but holds no key residual: its earlier keys are lost").
+        A partial block's new rows go to ``residual_rows`` (row ``slot * block_size + offset``
+        of the residual seen as rows); a filled block is a ``fill_blocks`` entry: first the
+        blocks filled from a residual slot (with ``fill_slots``, in the same order), then the
+        blocks written whole this step (their rows in ``fill_tokens``), each group in the order
+        of the blocks' first slots. ``slot_of_block`` is -1 but for the step's partial blocks.
+        """
+        ### BEGIN SOLUTION part3.3
         writes = self._group_by_block(slots)
         for block, write in writes.items():
             if write.first == 0:
@@ -159,8 +176,12 @@ class KeyResidual:
             self._tensor(fill_tokens).view(-1, self.block_size),
         )
         return self.current
+        ### END SOLUTION
 
     def _group_by_block(self, slots: list[int]) -> dict[int, _BlockWrite]:
+        """Each block the step writes (slots of -1 skipped), in the order of its first slot:
+        the offsets of its first and last written slots and the batch rows written to it."""
+        ### BEGIN SOLUTION part3.3
         writes: dict[int, _BlockWrite] = {}
         for token, slot in enumerate(slots):
             if slot < 0:
@@ -173,6 +194,7 @@ class KeyResidual:
                 write.last = offset
                 write.tokens.append(token)
         return writes
+        ### END SOLUTION
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -199,6 +221,7 @@ class KeyResidual:
     ) -> None:
         """Follow the step's swaps and copies, and give back what no partial block holds; the
         order of the module docstring."""
+        ### BEGIN SOLUTION part3.7
         for gpu, cpu in swap_out.items():
             slot = self._slots.get(gpu)
             self._swapped.pop(cpu, None)
@@ -222,13 +245,16 @@ class KeyResidual:
             self._give_back(block)
         for cpu in set(self._swapped) - partial_cpu:
             del self._swapped[cpu]
+        ### END SOLUTION
 
 
 def partial_blocks(seqs: Iterable[Sequence], block_size: int) -> set[int]:
     """For each sequence, the block that holds the partial tail of its stored tokens
     (``num_computed_tokens``; none when they fill whole blocks)."""
+    ### BEGIN SOLUTION part3.7
     return {
         seq.block_table[seq.num_computed_tokens // block_size]
         for seq in seqs
         if seq.num_computed_tokens % block_size
     }
+    ### END SOLUTION

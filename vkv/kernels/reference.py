@@ -6,11 +6,10 @@ Layout (vLLM's and nano-vLLM's): each layer's cache is a pair of tensors
 blocks in logical order, padded with -1 to the batch's widest table.
 
 A quantized cache (Phase 3: ``QuantizedCache``, INT8 or INT4) is read and written through the
-same functions: storing quantizes the new tokens (a token that cannot be quantized, NaN or
-infinite, is refused before anything is written: the cache stays as it was), and attention
-dequantizes the blocks it gathers, then computes exactly as on values. Keys per channel
-(``store_keys_per_channel``) go to the key residual until their block fills; attention reads a
-partial block's keys from the residual.
+same functions, which hand it to ``vkv.kernels.quantized`` (the student's, parts 3.5 and 3.6):
+storing quantizes the new tokens (a token that cannot be quantized, NaN or infinite, is refused
+before anything is written: the cache stays as it was), and attention dequantizes the blocks it
+reads. A 16-bit cache never reaches that module.
 """
 
 import threading
@@ -18,7 +17,7 @@ import threading
 import torch
 
 from vkv.engine.cache_engine import QuantizedCache
-from vkv.engine.quantizer import QuantizedTensor, Quantizer
+from vkv.kernels import quantized
 
 
 def store_kvcache(
@@ -32,57 +31,21 @@ def store_kvcache(
 
     A slot of -1 (padding) is skipped.
     """
+    if isinstance(k_cache, QuantizedCache):
+        quantized.store_quantized(key, value, k_cache, v_cache, slot_mapping)
+        return
     keep = slice(None)  # every token: no padding (the engine's steps), no mask to apply
     if len(slot_mapping) and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    if isinstance(k_cache, QuantizedCache):
-        if k_cache.per_channel:
-            refuse_non_finite(key, value)
-            store_keys_per_channel(key, k_cache)
-            pairs = [(v_cache, value)]
-        else:
-            pairs = [(k_cache, key), (v_cache, value)]
-        quantized = [
-            (cache, Quantizer(cache.bits).quantize(_groups(x[keep], cache))) for cache, x in pairs
-        ]
-        for cache, q in quantized:
-            for plane, part in (
-                (cache.codes, q.codes),
-                (cache.scale, q.scale),
-                (cache.zero, q.zero),
-            ):
-                _slots(plane)[slots] = part.reshape(-1, *plane.shape[2:]).to(plane.dtype)
-        return
     _slots(k_cache)[slots] = key[keep].to(k_cache.dtype)
     _slots(v_cache)[slots] = value[keep].to(v_cache.dtype)
-
-
-def _groups(x: torch.Tensor, cache: QuantizedCache) -> torch.Tensor:
-    """``x [tokens, kv_heads, head_dim]`` as ``[tokens, groups, ...]``: one quantization group
-    per KV head, or one for all (the cache's per-token scale planes say which)."""
-    return x.reshape(x.shape[0], cache.scale.shape[2], -1)
 
 
 def refuse_non_finite(key: torch.Tensor, value: torch.Tensor) -> None:
     """``ValueError`` if a key or value is NaN or infinite (one device sync)."""
     if not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):
         raise ValueError("cannot quantize NaN or infinite values")
-
-
-def store_keys_per_channel(key: torch.Tensor, k_cache: QuantizedCache) -> None:
-    """Keys per channel (both backends): the step's plan (``KeyPlan``) sends each new key to its
-    block's residual slot, then quantizes every block the step filled, per channel over its
-    ``block_size`` tokens, into the block's codes, scale and zero."""
-    plan, residual = k_cache.plan, k_cache.residual
-    rows = residual.view(-1, *residual.shape[2:])
-    rows[plan.residual_rows] = key[plan.residual_tokens].to(rows.dtype)
-    if not len(plan.fill_blocks):
-        return
-    full = torch.cat((residual[plan.fill_slots].float(), key[plan.fill_tokens].float()))
-    q = Quantizer(k_cache.bits, "per_channel").quantize(full.transpose(0, 1))  # tokens first
-    for plane, part in ((k_cache.codes, q.codes), (k_cache.scale, q.scale), (k_cache.zero, q.zero)):
-        plane[plan.fill_blocks] = part.transpose(0, 1).to(plane.dtype)
 
 
 def _slots(cache: torch.Tensor) -> torch.Tensor:
@@ -100,16 +63,8 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, into: str) ->
     """
     batch, num_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
-    if isinstance(cache, QuantizedCache):
-        index = block_tables.clamp(min=0).long().flatten()
-        codes, scale, zero = (
-            t.index_select(0, index) for t in (cache.codes, cache.scale, cache.zero)
-        )
-        values = Quantizer(cache.bits).dequantize(QuantizedTensor(codes, scale, zero, cache.bits))
-        if cache.per_channel:  # a partial block's keys are in the residual
-            slots = cache.residual_slot[index]
-            partial = (slots >= 0).nonzero().squeeze(1)
-            values[partial] = cache.residual[slots[partial].long()].float()
+    if isinstance(cache, QuantizedCache):  # dequantized (Phase 3) into a new tensor
+        values = quantized.dequantize_blocks(cache, block_tables.clamp(min=0).long().flatten())
         return values.view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     rows = batch * num_blocks
     out = _reusable(into, rows * cache[0].numel(), cache.dtype, cache.device)
@@ -159,6 +114,10 @@ def paged_decode_attention(
     context masked out, so those slots must hold finite numbers (the CacheEngine zero-fills the
     cache; a NaN there would survive the mask as 0 * NaN).
     """
+    if isinstance(k_cache, QuantizedCache):
+        return quantized.quantized_decode_attention(
+            query, k_cache, v_cache, block_tables, context_lens, scale
+        )
     batch, num_heads, head_dim = query.shape
     keys = gather_blocks(k_cache, block_tables, into="keys")
     values = gather_blocks(v_cache, block_tables, into="values")
@@ -185,6 +144,10 @@ def paged_prefill_attention(
     tokens (their K/V already stored). New token j sits at position ``context_lens[i] - n_i + j``
     and attends to every position up to its own. Returns ``[total_new_tokens, heads, head_dim]``.
     """
+    if isinstance(k_cache, QuantizedCache):
+        return quantized.quantized_prefill_attention(
+            query, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale
+        )
     out = torch.empty_like(query)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]

@@ -16,7 +16,7 @@ quantizes each (token, KV head) row in its program (minimum, scale, codes; INT4 
 ``2i`` in the low nibble of byte ``i``), and the attention tiles load codes, scales and zeros and
 dequantize them in registers before the dot products (``_load_rows``), so a quantized block is
 read as bytes, never expanded in memory. Keys per channel: storing sends keys to the residual
-and quantizes the blocks a step fills with ``reference.store_keys_per_channel`` (torch; a few
+and quantizes the blocks a step fills with ``quantized.store_keys_per_channel`` (torch; a few
 blocks a step, shared with the reference); the tiles read a scale per (block, head, channel)
 and a partial block's keys from the residual.
 
@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from vkv.engine.cache_engine import QuantizedCache
-from vkv.kernels.reference import refuse_non_finite, store_keys_per_channel
+from vkv.kernels.quantized import store_keys_per_channel
+from vkv.kernels.reference import refuse_non_finite
 
 MIN_DOT = 16
 UNQUANTIZED = 16  # the kernels' BITS for a cache of values
