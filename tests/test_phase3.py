@@ -547,6 +547,29 @@ def test_part5_keys_per_channel_go_to_the_residual_values_per_token():
     assert_slot_holds(v_cache, 10, value[1], "values")
 
 
+def test_part5_keys_per_channel_get_the_whole_batch_padding_rows_included():
+    key, value = step_tensors(3, seed=16)
+    residual = torch.zeros(2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    none = torch.zeros(0, dtype=torch.long)
+    plan = KeyPlan(torch.tensor([1, 2]), torch.tensor([5, 6]), none, none, none.view(0, 4))
+    k_cache = QuantizedCache(
+        empty_cache(8).codes,
+        torch.zeros(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM),
+        torch.zeros(NUM_BLOCKS, 1, KV_HEADS, HEAD_DIM),
+        8,
+        residual,
+        torch.full((NUM_BLOCKS,), -1, dtype=torch.int32),
+        plan,
+    )
+    store_quantized(key, value, k_cache, empty_cache(8), torch.tensor([-1, 9, 10]))
+    rows = residual.view(-1, KV_HEADS, HEAD_DIM)
+    assert equal(rows[5:7], key[1:3]), (
+        "the plan's batch rows count every row of the step, padding included (row 0 here is "
+        "padding): store_keys_per_channel gets the whole key tensor, not the rows kept for the "
+        "values"
+    )
+
+
 def random_cache(bits: int, seed: int, groups: int = KV_HEADS) -> QuantizedCache:
     """A cache of random codes, scales and zeros in every slot."""
     g = torch.Generator().manual_seed(seed)
@@ -878,6 +901,37 @@ def test_part3_store_keys_per_channel_writes_residual_rows_and_quantizes_filled_
         f"{codes[4, :, 0, 0].tolist()}"
     )
     assert not bool(codes[:4].any()) and not bool(codes[5].any()), "only block 4 is quantized"
+
+
+def test_part3_each_filled_block_gets_its_own_grid_residual_filled_blocks_first():
+    residual = torch.zeros(1, RES_BLOCK, 1, 2)
+    residual[0, :3] = torch.tensor([[[0.0, 0.0]], [[1.0, 1.0]], [[2.0, 2.0]]])  # block 4's keys
+    key = torch.tensor(
+        [[[3.0, 3.0]], [[10.0, 20.0]], [[11.0, 21.0]], [[12.0, 22.0]], [[13.0, 26.0]]]
+    )
+    plan = KeyPlan(
+        residual_tokens=torch.tensor([0]),  # block 4's last key
+        residual_rows=torch.tensor([3]),
+        fill_blocks=torch.tensor([4, 2]),  # 4 from residual slot 0, then 2 written whole
+        fill_slots=torch.tensor([0]),
+        fill_tokens=torch.tensor([[1, 2, 3, 4]]),
+    )
+    scale, zero = torch.zeros(6, 1, 1, 2), torch.zeros(6, 1, 1, 2)
+    codes = torch.zeros(6, RES_BLOCK, 1, 2, dtype=torch.uint8)
+    slots = torch.full((6,), -1, dtype=torch.int32)
+    store_keys_per_channel(key, QuantizedCache(codes, scale, zero, 8, residual, slots, plan))
+    for block, low, high in ((4, [0.0, 0.0], [3.0, 3.0]), (2, [10.0, 20.0], [13.0, 26.0])):
+        assert zero[block].flatten().tolist() == low, (
+            f"block {block} is quantized over its own {RES_BLOCK} keys (the blocks filled from a "
+            "residual are the first of fill_blocks, those written whole follow): its zero is "
+            f"each channel's minimum {low}, got {zero[block].flatten().tolist()}"
+        )
+        expected = torch.tensor(high) - torch.tensor(low)
+        assert allclose(scale[block].flatten(), expected / 255), (
+            f"block {block}'s scale is its own channels' (max - min) / 255, not a range shared "
+            f"with the other filled block: expected {(expected / 255).tolist()}, got "
+            f"{scale[block].flatten().tolist()}"
+        )
 
 
 # ---- Part 3.7: the key residual between steps (KeyResidual.apply, partial_blocks) -------------
