@@ -109,9 +109,9 @@ def test_parts_manifest_is_consistent():
     assert ASSIGNMENT.expand("1") == {"1.1", "1.2", "1.3", "1.4", "1.5"}
     assert ASSIGNMENT.expand("1.2,1.4") == {"1.2", "1.4"}
     assert ASSIGNMENT.dependents("1.2") >= {"1.3", "1.4", "1.5", "2.1", "2.5"}
-    assert ASSIGNMENT.dependents("1.4") == {"2.4", "2.5"}
-    assert ASSIGNMENT.dependents("2.4") == {"2.5"}
-    assert ASSIGNMENT.dependents("2.5") == set()
+    assert ASSIGNMENT.dependents("1.4") == {"2.4", "2.5", "4.8", "4.9"}  # Phase 4 builds on 1-2
+    assert ASSIGNMENT.dependents("2.4") == {"2.5", "4.9"}
+    assert ASSIGNMENT.dependents("2.5") == {"4.9"}
     with pytest.raises(KeyError):
         ASSIGNMENT.expand("9.9")
 

@@ -126,8 +126,6 @@ PIPED_WIDTH = 400  # columns for a table that no terminal wraps
 
 def print_table(report: GradeReport, console: Console) -> None:
     """The grade as a table; piped or redirected, as wide as its rows (never cut to 80)."""
-    if not console.is_terminal:
-        console = Console(file=console.file, width=PIPED_WIDTH, color_system=None)
     table = Table(title="vkv grade")
     columns = ["part", "title", "tests passed", "status", "score"]
     if report.isolated is not None:
@@ -154,6 +152,8 @@ def print_table(report: GradeReport, console: Console) -> None:
     if report.isolated is not None:
         total.append(f"[bold]{sum(r.score for r in report.isolated):g}/{report.max_score:g}")
     table.add_row(*total)
+    if not console.is_terminal:
+        console.width = PIPED_WIDTH  # no terminal wraps it: a piped table keeps its rows whole
     console.print(table)
     for result in report.parts:
         failing = [t.nodeid.partition("::")[2] for t in result.tests if t.outcome != "passed"]
