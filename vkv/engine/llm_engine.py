@@ -30,6 +30,7 @@ import torch
 
 from vkv.assignment import progress
 from vkv.config import KV_CACHE_DTYPES, Config
+from vkv.engine.block_manager import AllocStatus
 from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
 from vkv.engine.model_runner import ModelRunner
 from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -298,13 +299,13 @@ class LLMEngine:
         return [int(t) for t in prompt], params
 
     def never_fits(self, num_prompt_tokens: int) -> str | None:
-        """Why a prompt of this many tokens could never be admitted (its blocks leave the
-        watermark of an empty GPU pool: ``BlockManager.can_allocate``'s NEVER), or None. A
-        server refuses such a request up front, as vLLM does; ``LLM.generate`` lets the
-        scheduler finish it as ``ignored``."""
+        """Why a prompt of this many tokens could never be admitted (``BlockManager``'s NEVER:
+        its blocks leave no watermark free even in an empty GPU pool), or None. A server
+        refuses such a request up front, as vLLM does; ``LLM.generate`` lets the scheduler
+        finish it as ``ignored``."""
         manager = self.scheduler.block_manager
         need = -(-num_prompt_tokens // self.config.block_size)
-        if manager.num_gpu_blocks - need >= manager.watermark_blocks:
+        if manager._fit_status(need) is not AllocStatus.NEVER:
             return None
         return (
             f"its {num_prompt_tokens} prompt tokens need {need} blocks; the GPU pool has "
