@@ -13,11 +13,16 @@ import pytest
 from vkv import LLM, SamplingParams
 from vkv.assignment import progress
 from vkv.assignment.parts import MANIFEST, Assignment
-from vkv.assignment.regions import stub_regions
+from vkv.assignment.regions import find_regions, stub_regions
 from vkv.cli import main
 from vkv.engine.llm_engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
+PART_FILES = {
+    region.part: name
+    for name in Assignment.load(ROOT).editable
+    for region in find_regions((ROOT / name).read_text(), name)
+}
 
 
 def tree_with_stubs(tmp_path: Path, parts: set[str]) -> Path:
@@ -57,7 +62,7 @@ def unfinished(monkeypatch):
     """Pretend the tree this package runs from has these parts stubbed."""
 
     def pretend(*parts: str) -> None:
-        fake = {part: ("vkv/metrics/stats.py", f"Stub.part_{part}") for part in parts}
+        fake = {part: (PART_FILES[part], f"Stub.part_{part}") for part in parts}
         monkeypatch.setattr(progress, "unfinished_parts", lambda root=None: fake)
 
     return pretend
@@ -78,8 +83,21 @@ def test_without_phase_5s_logger_the_engine_runs_without_metrics_and_says_so(unf
     ("options", "part", "what"),
     [
         ({}, "1.1", "the engine (its Sequence, BlockManager and Scheduler)"),
-        ({"kv_cache_dtype": "int8"}, "3.2", "a quantized KV cache (--kv-cache-dtype int8)"),
-        ({"kv_cache_dtype": "int4"}, "3.2", "a quantized KV cache (--kv-cache-dtype int4)"),
+        (
+            {"kv_cache_dtype": "int8"},
+            "3.2",
+            "a quantized KV cache (--kv-cache-dtype int8) on the torch backend",
+        ),
+        (
+            {"kv_cache_dtype": "int4"},
+            "3.2",
+            "a quantized KV cache (--kv-cache-dtype int4) on the torch backend",
+        ),
+        (
+            {"kv_cache_dtype": "int8", "backend": "triton"},
+            "3.8",
+            "a quantized KV cache (--kv-cache-dtype int8) on the triton backend",
+        ),
         ({"enable_prefix_caching": True}, "4.4", "prefix caching (--enable-prefix-caching)"),
     ],
 )
@@ -101,6 +119,12 @@ def test_a_16_bit_cache_without_caching_needs_neither_phase_3_nor_phase_4(unfini
     engine = LLMEngine(num_gpu_blocks=8)
     assert engine.config.kv_cache_dtype == "auto"
     assert not engine.config.enable_prefix_caching
+
+
+def test_the_torch_backend_takes_a_quantized_cache_before_the_triton_part_is_done(unfinished):
+    unfinished("3.8", "5.1")
+    engine = LLMEngine(num_gpu_blocks=8, kv_cache_dtype="int8", backend="torch")
+    assert engine.config.kv_cache_dtype == "int8"
 
 
 def test_the_cli_prints_an_unfinished_part_in_one_line(unfinished, capsys):

@@ -107,7 +107,7 @@ class LLMEngine:
         backend = backend or ("triton" if self.device.type == "cuda" else "torch")
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend must be torch or triton, got {backend!r}")
-        needs_done_parts(kv_cache_dtype, enable_prefix_caching)
+        needs_done_parts(kv_cache_dtype, enable_prefix_caching, backend)
         if backend == "triton" and self.device.type != "cuda" and not TRITON_INTERPRETED:
             raise ValueError(
                 "the triton backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
@@ -484,11 +484,24 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 METRICS_FILE = "vkv/metrics/stats.py"  # StatLogger, Phase 5's parts that the engine calls
 
 
-def needs_done_parts(kv_cache_dtype: str, enable_prefix_caching: bool) -> None:
+# Phase 3's files that a quantized cache runs on the torch backend; the Triton backend also
+# runs part 3.8's dequantizing load (vkv/kernels/triton_quantized.py).
+QUANTIZED_TORCH_FILES = {
+    "vkv/engine/quantizer.py",
+    "vkv/kernels/quantized.py",
+    "vkv/engine/key_residual.py",
+}
+
+
+def needs_done_parts(kv_cache_dtype: str, enable_prefix_caching: bool, backend: str) -> None:
     """Refuse, naming the part, an engine whose options run a part not done yet."""
     progress.needed("the engine (its Sequence, BlockManager and Scheduler)", {1, 2})
     if KV_CACHE_DTYPES.get(kv_cache_dtype, 16) < 16:
-        progress.needed(f"a quantized KV cache (--kv-cache-dtype {kv_cache_dtype})", {3})
+        progress.needed(
+            f"a quantized KV cache (--kv-cache-dtype {kv_cache_dtype}) on the {backend} backend",
+            {3},
+            None if backend == "triton" else QUANTIZED_TORCH_FILES,
+        )
     if enable_prefix_caching:
         progress.needed("prefix caching (--enable-prefix-caching)", {4})
 

@@ -14,8 +14,9 @@
 A quantized cache (``QuantizedCache``, Phase 3) goes through the same kernels: storing
 quantizes each (token, KV head) row in its program (minimum, scale, codes; INT4 packs code
 ``2i`` in the low nibble of byte ``i``), and the attention tiles load codes, scales and zeros and
-dequantize them in registers before the dot products (``_load_rows``), so a quantized block is
-read as bytes, never expanded in memory. Keys per channel: storing sends keys to the residual
+dequantize them in registers before the dot products (``_load_rows`` calls
+``triton_quantized.load_dequantized``, part 3.8), so a quantized block is read as bytes, never
+expanded in memory. Keys per channel: storing sends keys to the residual
 and quantizes the blocks a step fills with ``quantized.store_keys_per_channel`` (torch; a few
 blocks a step, shared with the reference); the tiles read a scale per (block, head, channel)
 and a partial block's keys from the residual.
@@ -32,6 +33,7 @@ import triton.language as tl
 from vkv.engine.cache_engine import QuantizedCache
 from vkv.kernels.quantized import store_keys_per_channel
 from vkv.kernels.reference import refuse_non_finite
+from vkv.kernels.triton_quantized import load_dequantized
 
 MIN_DOT = 16
 UNQUANTIZED = 16  # the kernels' BITS for a cache of values
@@ -257,25 +259,15 @@ def _load_rows(
     BITS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
 ):
-    """Cached rows ``[tokens, dims]``: as stored (``BITS`` 16), or codes times scale plus zero
-    (8: a byte per code; 4: code ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in its high
-    nibble), with a scale per row or, ``PER_CHANNEL``, per row and channel."""
-    if BITS == 16:
-        return tl.load(cache_ptr + rows_at[:, None] + dims[None, :], mask=mask, other=0.0)
-    if BITS == 8:
-        codes = tl.load(cache_ptr + rows_at[:, None] + dims[None, :], mask=mask, other=0)
-        codes = codes.to(tl.int32)
+    """Cached rows ``[tokens, dims]``: as stored (``BITS`` 16), or dequantized in registers by
+    ``triton_quantized.load_dequantized`` (8 or 4 bits; part 3.8)."""
+    if BITS == 16:  # UNQUANTIZED
+        rows = tl.load(cache_ptr + rows_at[:, None] + dims[None, :], mask=mask, other=0.0)
     else:
-        packed = tl.load(cache_ptr + rows_at[:, None] + (dims // 2)[None, :], mask=mask, other=0)
-        codes = (packed.to(tl.int32) >> ((dims % 2) * 4)[None, :]) & 0xF
-    if PER_CHANNEL:
-        scale = tl.load(scale_ptr + scales_at[:, None] + dims[None, :], mask=mask, other=0.0)
-        zero = tl.load(zero_ptr + scales_at[:, None] + dims[None, :], mask=mask, other=0.0)
-        return codes.to(tl.float32) * scale.to(tl.float32) + zero.to(tl.float32)
-    row_mask = tl.max(mask.to(tl.int32), 1) > 0
-    scale = tl.load(scale_ptr + scales_at, mask=row_mask, other=0.0).to(tl.float32)
-    zero = tl.load(zero_ptr + scales_at, mask=row_mask, other=0.0).to(tl.float32)
-    return codes.to(tl.float32) * scale[:, None] + zero[:, None]
+        rows = load_dequantized(
+            cache_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL
+        )
+    return rows
 
 
 @triton.jit
