@@ -28,6 +28,7 @@ from hypothesis_settings import graded_settings
 # The torch functions the assertions compare with, bound before vkv.engine is imported: a
 # solution region that replaced torch.equal (or allclose, isnan) later would not change them.
 from torch import allclose, equal, isnan
+from triton.runtime.errors import InterpreterError
 
 from vkv.engine.cache_engine import QuantizedCache
 from vkv.engine.key_residual import KeyPlan, KeyResidual, partial_blocks
@@ -1082,8 +1083,21 @@ def on_device(cache: QuantizedCache) -> QuantizedCache:
     )
 
 
+def launched(kernel, *args, **kwargs):
+    """``kernel(*args, **kwargs)``; an exception raised in your Triton code comes out as itself
+    (the interpreter wraps it in one ``InterpreterError`` per nested call)."""
+    try:
+        return kernel(*args, **kwargs)
+    except InterpreterError as wrapped:
+        error = wrapped
+        while isinstance(error, InterpreterError) and error.__cause__ is not None:
+            error = error.__cause__
+        raise error from None
+
+
 def triton_decode(query, k_cache, v_cache, tables, lengths, scale):
-    got = triton_attention.paged_decode_attention(
+    got = launched(
+        triton_attention.paged_decode_attention,
         query.to(DEVICE),
         on_device(k_cache),
         on_device(v_cache),
@@ -1195,7 +1209,8 @@ def test_part8_triton_prefill_reads_the_quantized_cache_causally(bits, num_heads
     new, lengths, tables = [6, 2, 3], [6, 7, 5], [[3, 1], [0, 4], [2, 3]]
     cu = [0, 6, 8, 11]
     query = torch.randn(11, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(91))
-    got = triton_attention.paged_prefill_attention(
+    got = launched(
+        triton_attention.paged_prefill_attention,
         query.to(DEVICE),
         on_device(k_cache),
         on_device(v_cache),
@@ -1273,7 +1288,8 @@ def load_tile(codes, scale, zero, rows_at, scales_at, valid, bits, per_channel, 
     def flat(values, dtype):
         return torch.tensor(values, dtype=dtype, device=DEVICE)
 
-    _tile_kernel[(1,)](
+    launched(
+        _tile_kernel[(1,)],
         flat(codes, torch.uint8),
         flat(scale, torch.float32),
         flat(zero, torch.float32),

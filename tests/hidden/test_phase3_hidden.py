@@ -12,12 +12,23 @@ imported (the third-party imports come first): a solution region that replaced
 ``torch.equal`` or ``torch.allclose`` later would not change what these tests compare with.
 """
 
+import os
+
+import torch
+
+# Part 3.8's kernels run under the Triton interpreter without a CUDA GPU; Triton reads the
+# variable when it is imported, so it is set before anything imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import math
 
 import pytest
-import torch
+import triton
+import triton.language as tl
 from test_seed import seeded
 from torch import allclose, equal, isnan
+from triton.runtime.errors import InterpreterError
 
 from vkv.engine.cache_engine import QuantizedCache
 from vkv.engine.key_residual import KeyResidual, partial_blocks
@@ -29,12 +40,14 @@ from vkv.engine.quantizer import (
     pack_int4,
     unpack_int4,
 )
+from vkv.kernels import triton_attention
 from vkv.kernels.quantized import (
     dequantize_blocks,
     quantized_decode_attention,
     quantized_prefill_attention,
     store_quantized,
 )
+from vkv.kernels.triton_quantized import load_dequantized
 
 EPS = 1e-6  # the float32 allowance of the visible tests: EPS * max|x| on top of scale / 2
 
@@ -872,3 +885,146 @@ def test_part7_partial_blocks_of_drawn_sequences(rng):
         f"block size {block}, (table, stored) {drawn}: each sequence's block holding its "
         f"partial tail, {expected}; got {got}"
     )
+
+
+# ---- Part 3.8: the Triton kernels with the submitted load_dequantized --------------------------
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def launched(kernel, *args, **kwargs):
+    """``kernel(*args, **kwargs)``; an exception of the submitted code comes out as itself."""
+    try:
+        return kernel(*args, **kwargs)
+    except InterpreterError as wrapped:
+        error = wrapped
+        while isinstance(error, InterpreterError) and error.__cause__ is not None:
+            error = error.__cause__
+        raise error from None
+
+
+def to_device(cache: QuantizedCache) -> QuantizedCache:
+    return QuantizedCache(
+        cache.codes.to(DEVICE), cache.scale.to(DEVICE), cache.zero.to(DEVICE), cache.bits
+    )
+
+
+@seeded
+def test_part8_triton_decode_equals_dense_attention_on_drawn_tables(rng):
+    for _ in range(2):
+        layout = draw_layout(rng)
+        group = rng.choice([1, 2, 3])
+        batch = rng.randint(1, 3)
+        tables, lengths = draw_tables(rng, layout, batch)
+        g = generator(rng)
+        k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
+        query = torch.randn(batch, layout["heads"] * group, layout["dim"], generator=g)
+        scale = rng.uniform(0.1, 1.0)
+        got = launched(
+            triton_attention.paged_decode_attention,
+            query.to(DEVICE), to_device(k_cache), to_device(v_cache),
+            torch.tensor(tables, dtype=torch.int32, device=DEVICE),
+            torch.tensor(lengths, dtype=torch.int32, device=DEVICE), scale,
+        ).cpu()  # fmt: skip
+        for i in range(batch):
+            expected = oracle_rows(
+                query[i : i + 1], k_cache, v_cache, tables[i], [lengths[i] - 1], scale
+            )
+            diff = float((got[i].double() - expected[0]).abs().max())
+            assert diff < 1e-4, (
+                f"Triton decode, sequence {i} (table {tables[i]}, {lengths[i]} tokens, {layout}):"
+                f" load_dequantized must give codes * scale + zero; off by {diff:.3g}"
+            )
+
+
+@seeded
+def test_part8_triton_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
+    for _ in range(2):
+        layout = draw_layout(rng)
+        group = rng.choice([1, 2])
+        batch = rng.randint(1, 3)
+        tables, lengths = draw_tables(rng, layout, batch)
+        new = [rng.randint(1, length) for length in lengths]
+        cu = [0]
+        for n in new:
+            cu.append(cu[-1] + n)
+        g = generator(rng)
+        k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
+        query = torch.randn(cu[-1], layout["heads"] * group, layout["dim"], generator=g)
+        scale = rng.uniform(0.1, 1.0)
+        got = launched(
+            triton_attention.paged_prefill_attention,
+            query.to(DEVICE), to_device(k_cache), to_device(v_cache),
+            torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+            torch.tensor(tables, dtype=torch.int32, device=DEVICE),
+            torch.tensor(lengths, dtype=torch.int32, device=DEVICE), scale,
+        ).cpu()  # fmt: skip
+        for i in range(batch):
+            positions = list(range(lengths[i] - new[i], lengths[i]))
+            rows = slice(cu[i], cu[i + 1])
+            expected = oracle_rows(query[rows], k_cache, v_cache, tables[i], positions, scale)
+            diff = float((got[rows].double() - expected).abs().max())
+            assert diff < 1e-4, (
+                f"Triton prefill, sequence {i}: new tokens at {positions[0]}..{positions[-1]} "
+                f"of {lengths[i]}; off by {diff:.3g} ({layout})"
+            )
+
+
+@triton.jit
+def _tile_kernel(
+    codes_ptr, scale_ptr, zero_ptr, rows_ptr, scales_ptr, valid_ptr, out_ptr, head_dim,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+):  # fmt: skip
+    tokens = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    rows_at = tl.load(rows_ptr + tokens).to(tl.int64)
+    scales_at = tl.load(scales_ptr + tokens).to(tl.int64)
+    mask = (tl.load(valid_ptr + tokens) != 0)[:, None] & (dims < head_dim)[None, :]
+    tile = load_dequantized(
+        codes_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL
+    )
+    tl.store(out_ptr + tokens[:, None] * BLOCK_D + dims[None, :], tile)
+
+
+@seeded
+def test_part8_drawn_tiles_are_read_lane_by_lane(rng):
+    for _ in range(4):
+        bits, per_channel = rng.choice([8, 4]), rng.random() < 0.5
+        dim, tokens, block_d = 2 * rng.randint(1, 8), rng.choice([2, 4, 8]), 16
+        width = dim * bits // 8
+        rows = rng.randint(tokens, 2 * tokens)
+        codes = [rng.randrange(256) for _ in range(rows * width)]
+        per_row = dim if per_channel else 1
+        planes = rows * per_row + block_d  # room past the last row for unmasked lanes
+        scale = [rng.uniform(0.01, 2.0) for _ in range(planes)]
+        zero = [rng.uniform(-5.0, 5.0) for _ in range(planes)]
+        picked = rng.sample(range(rows), tokens)  # distinct rows, out of order
+        valid = [int(rng.random() < 0.7) for _ in range(tokens)]
+        for t in range(tokens):  # a masked token's planes hold NaN: nothing may read them
+            if not valid[t]:
+                for i in range(per_row):
+                    scale[picked[t] * per_row + i] = float("nan")
+        out = torch.full((tokens, block_d), -7.0, device=DEVICE)
+        launched(
+            _tile_kernel[(1,)],
+            torch.tensor(codes, dtype=torch.uint8, device=DEVICE),
+            torch.tensor(scale, device=DEVICE), torch.tensor(zero, device=DEVICE),
+            torch.tensor([p * width for p in picked], device=DEVICE),
+            torch.tensor([p * per_row for p in picked], device=DEVICE),
+            torch.tensor(valid, dtype=torch.int32, device=DEVICE), out, dim,
+            BLOCK_N=tokens, BLOCK_D=block_d, BITS=bits, PER_CHANNEL=per_channel,
+        )  # fmt: skip
+        got = out.cpu().double()
+        for t in range(tokens):
+            row = codes[picked[t] * width : (picked[t] + 1) * width]
+            unpacked = row if bits == 8 else [c for b in row for c in (b & 15, b >> 4)]
+            for i in range(block_d):
+                expected = 0.0
+                if valid[t] and i < dim:
+                    at = picked[t] * per_row + (i if per_channel else 0)
+                    expected = unpacked[i] * scale[at] + zero[at]
+                assert abs(float(got[t, i]) - expected) <= 1e-5 * max(1.0, abs(expected)), (
+                    f"INT{bits}{' per channel' if per_channel else ''}, head_dim {dim}: lane "
+                    f"(token {t}, channel {i}) is {float(got[t, i])}, expected {expected} "
+                    f"({'masked: 0.0' if not valid[t] or i >= dim else 'code * scale + zero'})"
+                )
