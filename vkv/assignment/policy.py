@@ -31,7 +31,9 @@ is refused, so a door nobody thought of stays shut):
   ``format_map`` left out: a format field can walk attributes), the public functions of the
   standard-library modules the part may import, ``[policy] attributes``, and the part's own
   ``attributes`` (Phase 3's list of torch operations). ``forbidden_attributes`` are refused
-  whatever list holds them;
+  whatever list holds them, but the part's own ``attributes``: a name a part lists is reviewed
+  with that part's imports (part 3.8 imports only ``triton.language``, whose ``load`` reads one
+  tile of a kernel's own planes);
 - **attribute assignment** only on ``self``, a parameter, a local or an object a call made,
   never on a module, a given class or a builtin (``torch.equal = ...``, ``Block.x = ...``), nor
   on a local bound to one of them;
@@ -174,7 +176,14 @@ class Policy:
     def vocabulary(self, part: str) -> frozenset[str]:
         """The attribute names a region of ``part`` may use on objects other than ``self``."""
         own = dict(self.part_attributes).get(part, frozenset())
-        return (self.attributes | own) - self.forbidden_attributes - STRING_FORMATTERS
+        return (self.attributes | own) - self.forbidden_for(part) - STRING_FORMATTERS
+
+    def forbidden_for(self, part: str) -> frozenset[str]:
+        """``forbidden_attributes``, less those the part's own ``attributes`` list by name: a
+        part's list is reviewed with its imports (part 3.8's ``load`` is ``triton.language``'s,
+        and that part imports no torch, whose ``load`` reads files)."""
+        own = dict(self.part_attributes).get(part, frozenset())
+        return self.forbidden_attributes - own
 
 
 @dataclass(slots=True, frozen=True)
@@ -359,7 +368,7 @@ class RegionCheck:
         name = node.attr
         if DUNDER.fullmatch(name):
             return f"the dunder name {name}"
-        if name in self.policy.forbidden_attributes:
+        if name in self.policy.forbidden_for(self.part):
             return f"the forbidden attribute {name}"
         on_self = self.is_method and isinstance(node.value, ast.Name) and node.value.id == "self"
         if not on_self and name not in self.policy.given_private:
