@@ -57,6 +57,23 @@ def idle(engine: LLMEngine, timeout: float = 10.0) -> bool:
     return False
 
 
+def gauges_at_rest(url: str, deadline: float) -> bool:
+    """Whether ``/metrics`` reads 0 running requests and 0 GPU KV usage by ``deadline``
+    (``time.monotonic()``); the engine may not step again, so only an abort can set them."""
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        values = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("vkv_num_requests_running{", "vkv_gpu_cache_usage_perc{"))
+        }
+        if values == {"vkv_num_requests_running": 0.0, "vkv_gpu_cache_usage_perc": 0.0}:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def test_a_completion_with_usage(client, server):
     result = client.completions.create(
         model=MODEL, prompt="def f(x):\n", max_tokens=12, temperature=0, seed=1
@@ -235,8 +252,11 @@ def test_clients_that_leave_mid_stream_hold_no_blocks(server):
         thread.start()
     for thread in threads:
         thread.join()
+    left = time.monotonic()
     assert not errors, errors
+    assert gauges_at_rest(url, left + 1.0), "/metrics reads 0 running and 0 usage within 1 s"
     assert idle(engine), "the requests of clients that left are aborted and their blocks freed"
+    assert engine.stats["running"] == 0 and engine.stats["gpu_kv_usage"] == 0
     aborted = engine.metrics.value("request_success_total", finished_reason="abort")
     assert aborted - aborted_before == 8, "each request whose client left was aborted"
 

@@ -2,7 +2,8 @@
 
 ``add_request`` tokenizes and queues a prompt, ``step`` runs one scheduler step through the
 model and returns what each request gained (new text for streaming, and whether it finished),
-``abort`` drops a request, ``stats`` describes the engine after the last step. Bad input (an
+``abort`` drops a request, ``stats`` describes the engine after the last step (its queues and
+KV usage also after an abort). Bad input (an
 empty prompt, one longer than ``max_model_len``, text without a tokenizer) raises at
 ``add_request`` and leaves the other requests and the block accounting as they were.
 
@@ -329,7 +330,8 @@ class LLMEngine:
         return list(self._samples[request_id])
 
     def abort(self, request_id: int) -> None:
-        """Abort every unfinished sample of a request; ``ValueError`` if it has none."""
+        """Abort every unfinished sample of a request (its blocks freed; ``stats`` and the
+        gauges refreshed at once); ``ValueError`` if it has none."""
         unfinished = [seq for seq in self._samples.get(request_id, []) if not seq.is_finished]
         if not unfinished:
             raise ValueError(f"abort: no unfinished sequence has id {request_id}")
@@ -338,6 +340,31 @@ class LLMEngine:
             self.scheduler.abort(seq.seq_id)
             if self.stat_logger is not None:
                 self.stat_logger.record_finished(seq, "abort", now)
+        self._refresh_state(now)
+
+    def _refresh_state(self, now: float) -> None:
+        """``stats`` and the metrics' gauges as the engine is now, between steps (an abort
+        frees blocks and empties queues when no step may follow). The gauges are set through
+        ``StatLogger.record_step`` with an empty ``SchedulerOutput``: no step ran, so its
+        event counters add nothing."""
+        self.stats.update(self._state())
+        if self.stat_logger is not None:
+            self.stat_logger.record_step(SchedulerOutput(), self.scheduler, now)
+
+    def _state(self) -> dict[str, float]:
+        """The engine's state in ``stats``: its queues, the KV usage of each pool, and the
+        preemptions and prefix-cache lookups so far."""
+        manager = self.scheduler.block_manager
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "swapped": len(self.scheduler.swapped),
+            "gpu_kv_usage": manager.gpu_usage,
+            "cpu_kv_usage": manager.cpu_usage,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": manager.num_query_tokens,
+            "prefix_cache_hits": manager.num_hit_tokens,
+        }
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -349,7 +376,9 @@ class LLMEngine:
         the preemptions so far, the blocks this step swapped out and in and copied on write,
         the prompt tokens queried in the prefix cache and hit so far (first admissions only; 0
         without prefix caching), its batched tokens and tokens per second, and its wall time
-        with the model's part of it (step_seconds, model_seconds).
+        with the model's part of it (step_seconds, model_seconds). An ``abort`` refreshes the
+        state in ``stats`` (queues, usage, totals) and the metrics' gauges at once, so both
+        describe the engine as it is even when no step follows; the step's own figures stay.
         """
         started = time.perf_counter()
         out = self.scheduler.schedule()
@@ -364,19 +393,11 @@ class LLMEngine:
         outputs = [self._output(seq) for seq in touched]
         self._record(out, touched, outputs)
         elapsed = time.perf_counter() - started
-        manager = self.scheduler.block_manager
         self.stats = {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "swapped": len(self.scheduler.swapped),
-            "gpu_kv_usage": manager.gpu_usage,
-            "cpu_kv_usage": manager.cpu_usage,
-            "preemptions": self.scheduler.num_preemptions,
+            **self._state(),
             "blocks_swapped_out": len(out.blocks_to_swap_out),
             "blocks_swapped_in": len(out.blocks_to_swap_in),
             "blocks_copied": sum(map(len, out.blocks_to_copy.values())),
-            "prefix_cache_queries": manager.num_query_tokens,
-            "prefix_cache_hits": manager.num_hit_tokens,
             "batched_tokens": out.num_batched_tokens,
             "tokens_per_s": out.num_batched_tokens / elapsed if elapsed else 0.0,
             "step_seconds": elapsed,
