@@ -27,6 +27,9 @@ class SamplingParams:
     - ``seed``: a per-request seed, so a sampled completion can be reproduced.
     - ``n``: how many completions to sample for the prompt (parallel sampling); the prompt is
       computed once and its blocks shared by the n samples.
+    - ``stop``: strings that end the completion (a string or a sequence of non-empty strings;
+      kept as a tuple): the engine checks the text each step, and a sequence whose text
+      contains one finishes with ``finish_reason`` "stop", its text cut before the string.
     """
 
     temperature: float = 1.0
@@ -36,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(_is_real(self.temperature), "temperature", "a finite number", self.temperature)
@@ -54,6 +58,14 @@ class SamplingParams:
         _require(_is_int(self.n), "n", "an integer", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        _require(
+            isinstance(stop, list | tuple) and all(isinstance(s, str) and s for s in stop),
+            "stop",
+            "a string or a list of non-empty strings",
+            self.stop,
+        )
+        object.__setattr__(self, "stop", tuple(stop))  # frozen: set once, as a tuple
         if self.seed is not None:
             _require(_is_int(self.seed), "seed", "an integer or None", self.seed)
             if not 0 <= self.seed < MAX_SEED:

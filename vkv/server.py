@@ -162,7 +162,6 @@ class Sample:
     """What a client has been sent of one of a request's samples."""
 
     text: str = ""  # what it generated, cut before a stop string
-    sent: int = 0  # how much of ``text`` went to the client
     tokens: int = 0
     finish_reason: str | None = None
 
@@ -260,13 +259,10 @@ def decode_bounded(raw: bytes) -> object:
     return json.loads(text)
 
 
-def sampling_params(body: dict, max_model_len: int) -> tuple[SamplingParams, list[str]]:
+def sampling_params(body: dict, max_model_len: int) -> SamplingParams:
     """The request's sampling options, checked (``RequestError`` names the bad one)."""
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError("stop must be a string or a list of non-empty strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
+    stop = body.get("stop") or ()
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
     max_tokens = body.get("max_tokens", 16)
     if (
@@ -284,9 +280,10 @@ def sampling_params(body: dict, max_model_len: int) -> tuple[SamplingParams, lis
         "max_tokens": max_tokens,
         "n": body.get("n", 1),
         "seed": body.get("seed"),
+        "stop": stop,
     }
     try:
-        return SamplingParams(**options), stop
+        return SamplingParams(**options)
     except (ValueError, TypeError) as error:
         param = str(error).split()[0]
         raise RequestError(str(error), param if param in options else None) from None
@@ -313,7 +310,7 @@ def render_chat(messages: object, template: str | None) -> str:
 
 async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str, chat: bool):
     engine = served.engine
-    params, stop = sampling_params(body, engine.config.max_model_len)
+    params = sampling_params(body, engine.config.max_model_len)
     try:  # tokenizing and checking off the engine's thread and the event loop
         token_ids, params = await asyncio.to_thread(engine.check_request, prompt, params)
     except ValueError as error:
@@ -334,7 +331,7 @@ async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str
     samples = [Sample() for _ in range(params.n)]
     gone = asyncio.Event()
     watcher = asyncio.create_task(watch_disconnect(request, gone))
-    events = follow(gone, served, request_id, queue, samples, stop)
+    events = follow(gone, served, request_id, queue, samples)
     if body.get("stream"):
         return StreamingResponse(
             stream(events, head, samples, chat, watcher), media_type="text/event-stream"
@@ -374,13 +371,10 @@ async def follow(
     request_id: int,
     queue: asyncio.Queue,
     samples: list[Sample],
-    stop: list[str],
 ) -> AsyncIterator[tuple[int, str]]:
-    """Yield ``(sample index, new text)`` as the engine produces it, until every sample is done;
-    a stop string ends its sample (the text before it is kept; while a sample runs, its last
-    ``len(longest stop) - 1`` characters are held back, as they may begin a stop string); a gone
-    client aborts all."""
-    hold = max(map(len, stop), default=1) - 1
+    """Yield ``(sample index, new text)`` as the engine produces it, until every sample is done
+    (the engine ends a sample at a stop string, its text cut before it); a gone client aborts
+    all."""
     try:
         while not all(s.finish_reason for s in samples):
             if gone.is_set():
@@ -393,26 +387,12 @@ async def follow(
             if sample.finish_reason:
                 continue
             sample.tokens += len(output.new_token_ids)
-            start = max(0, len(sample.text) - hold)  # a stop string may begin in held-back text
             sample.text += output.new_text
-            reason, cut = output.finish_reason, first_stop(sample.text, stop, start)
-            if cut is not None:
-                sample.text, reason = sample.text[:cut], "stop"
-            if reason is not None:
-                sample.finish_reason = reason
-            ready = len(sample.text) if reason else max(sample.sent, len(sample.text) - hold)
-            if ready > sample.sent:
-                yield output.index, sample.text[sample.sent : ready]
-                sample.sent = ready
+            sample.finish_reason = output.finish_reason
+            if output.new_text:
+                yield output.index, output.new_text
     finally:
         served.release(request_id)
-
-
-def first_stop(text: str, stop: list[str], start: int = 0) -> int | None:
-    """Where the earliest stop string begins in ``text`` at or after ``start``, or None."""
-    found = [text.find(s, start) for s in stop]
-    found = [i for i in found if i >= 0]
-    return min(found) if found else None
 
 
 async def stream(

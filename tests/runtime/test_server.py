@@ -272,3 +272,32 @@ def test_chat_uses_the_checkpoints_template_when_it_has_one(tmp_path):
     template = chat_template_of(tmp_path)
     assert render_chat(messages, template) == "<|user|>hi<|assistant|>"
     assert chat_template_of(None) is None
+
+
+def test_stop_string_finishes_count_as_stop_with_the_tokens_the_clients_got(client, server):
+    engine, _ = server
+    reasons = ("stop", "abort", "length")
+    before = {r: engine.metrics.value("request_success_total", finished_reason=r) for r in reasons}
+    tokens_before = engine.metrics.value("generation_tokens_total")
+    results: list = [None] * 5
+
+    def ask(i: int) -> None:
+        results[i] = client.completions.create(
+            model=MODEL, prompt="def f(x):\n", max_tokens=64, temperature=0.9, seed=i, stop=["\n"]
+        )
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(r is not None for r in results), "a request failed"
+    choices = [r.choices[0] for r in results]
+    assert all("\n" not in c.text for c in choices)
+    assert idle(engine)
+    after = {r: engine.metrics.value("request_success_total", finished_reason=r) for r in reasons}
+    counted = {r: after[r] - before[r] for r in reasons}
+    assert counted == {r: sum(c.finish_reason == r for c in choices) for r in reasons}
+    assert counted["abort"] == 0 and counted["stop"] >= 1
+    received = sum(r.usage.completion_tokens for r in results)
+    assert engine.metrics.value("generation_tokens_total") - tokens_before == received

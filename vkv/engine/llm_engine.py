@@ -64,6 +64,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     error: str | None = None  # why a request with finish_reason "error" failed
+    text: str = ""  # all the text returned so far: the new_text of every output, joined
 
 
 class LLMEngine:
@@ -450,18 +451,48 @@ class LLMEngine:
         print(f"vkv: request {seq.seq_id} failed: {reason}", file=sys.stderr)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        completion, finished = seq.completion_token_ids, seq.is_finished
-        error = self._errors.get(seq.seq_id)
+        """What the sequence gained since its last output. A stop string
+        (``SamplingParams.stop``) in its text finishes it here, as FINISHED_STOPPED, before
+        another step can run it: its text is cut before the string (the tokens stay, the one
+        that completed the string included). While it runs, the text's last ``len(longest stop
+        string) - 1`` characters are held back, as they may begin a stop string."""
+        completion = seq.completion_token_ids
         state = self._streamed[seq.seq_id]
-        sent, new_text = state.sent, self._new_text(state, completion, finished)
-        state.sent = len(completion)
+        stop = seq.sampling_params.stop
+        hold = max(map(len, stop), default=1) - 1
+        searched = max(0, len(state.text) - hold)  # a stop string may begin in held-back text
+        state.text += self._new_text(state, completion, seq.is_finished)
+        cut = first_stop(state.text, stop, searched) if stop else None
+        if cut is not None:
+            state.text = state.text[:cut]
+            self._finish_stopped(seq)
+        finished = seq.is_finished
+        ready = len(state.text) if finished else max(state.returned, len(state.text) - hold)
+        new_text, state.returned = state.text[state.returned : ready], ready
+        sent, state.sent = state.sent, len(completion)
         request_id, index = self._sample_of[seq.seq_id]
-        reason = None
+        error, reason = self._errors.get(seq.seq_id), None
         if finished:
             reason = "error" if error else FINISH_REASONS[seq.status]
         return RequestOutput(
-            request_id, index, new_text, completion[sent:], completion, finished, reason, error
+            request_id,
+            index,
+            new_text,
+            completion[sent:],
+            completion,
+            finished,
+            reason,
+            error,
+            state.text[:ready],
         )
+
+    def _finish_stopped(self, seq: Sequence) -> None:
+        """Finish a sequence whose text reached a stop string as FINISHED_STOPPED (vLLM's
+        ``finish_reason`` "stop"), its blocks freed; it may have finished in this step
+        already (at ``max_tokens``, say): the stop string is the reason then."""
+        if not seq.is_finished:
+            self.scheduler.abort(seq.seq_id)  # out of its queue, its blocks freed
+        seq.status = SequenceStatus.FINISHED_STOPPED
 
     def _new_text(self, state: "Detokenized", tokens: list[int], finished: bool) -> str:
         """The text the tokens past ``state.read_offset`` add (vLLM's incremental detokenizer):
@@ -482,11 +513,21 @@ class LLMEngine:
 
 @dataclass(slots=True)
 class Detokenized:
-    """What a sequence has returned: tokens (``sent``) and text (through ``read_offset``)."""
+    """What a sequence has returned: tokens (``sent``), the text decoded from its tokens
+    (through ``read_offset``; ``text``, cut before a stop string) and how much of it went out
+    (``returned`` characters)."""
 
     sent: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
+    text: str = ""
+    returned: int = 0
+
+
+def first_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int | None:
+    """Where the earliest stop string begins in ``text`` at or after ``start``, or None."""
+    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(found) if found else None
 
 
 def model_label(model: str | Path | None) -> str:
