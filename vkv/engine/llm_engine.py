@@ -33,7 +33,7 @@ from vkv.assignment import progress
 from vkv.config import KV_CACHE_DTYPES, Config
 from vkv.engine.block_manager import AllocStatus
 from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
-from vkv.engine.model_runner import ModelRunner
+from vkv.engine.model_runner import ModelRunner, TokenLogprobs
 from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.kernels import cpu_attention, reference
@@ -65,6 +65,7 @@ class RequestOutput:
     finish_reason: str | None
     error: str | None = None  # why a request with finish_reason "error" failed
     text: str = ""  # all the text returned so far: the new_text of every output, joined
+    logprobs: list[TokenLogprobs] | None = None  # new_token_ids' (params.logprobs set)
 
 
 class LLMEngine:
@@ -185,6 +186,9 @@ class LLMEngine:
         self._streamed: dict[int, Detokenized] = {}  # what each sequence has returned
         self._errors: dict[int, str] = {}  # sequence id -> why it failed
         self._more_tokens: dict[int, list[int]] = {}  # this step's other samples' first tokens
+        self._step_logprobs: dict[int, TokenLogprobs] = {}  # this step's tokens' logprobs
+        self._more_logprobs: dict[int, list[TokenLogprobs]] = {}  # and its other samples'
+        self._logprobs: dict[int, list[TokenLogprobs]] = {}  # seq id -> its tokens' logprobs
         self._next_id = 0
         self.stats: dict[str, float] = {}
         self.metrics = EngineMetrics(max_model_len, model_name=model_label(model))
@@ -242,7 +246,8 @@ class LLMEngine:
         that token finishes at once, and if the first sample finished already, the others
         are new requests. Returns the new sequences."""
         children = []
-        for own, first in zip(params, firsts, strict=True):
+        logprobs = self._more_logprobs.get(parent.seq_id, [])  # each child's first, if asked
+        for i, (own, first) in enumerate(zip(params, firsts, strict=True)):
             child = Sequence(
                 self._next_id,
                 parent.prompt_token_ids,
@@ -251,6 +256,7 @@ class LLMEngine:
                 parent.arrival_time,
             )
             child.append_token(first)
+            self._logprobs[child.seq_id] = logprobs[i : i + 1]
             child.group_id = parent.group_id
             self._track(child, parent.seq_id)
             status = self.scheduler._stop_status(child, first)
@@ -271,7 +277,7 @@ class LLMEngine:
         Raises ``ValueError`` for params that are not a ``SamplingParams``, text that is not
         valid UTF-8, a prompt that is neither text nor a list of integer token ids (``True``
         and ``65.7`` are not token ids), an empty prompt, one longer than ``max_model_len``, or
-        an id outside the vocabulary.
+        an id outside the vocabulary (in the prompt or in ``params.logit_bias``).
         Queues nothing: ``LLM.generate`` checks a whole batch before adding any of it.
         """
         params = SamplingParams() if params is None else params
@@ -296,8 +302,11 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens, more than max_model_len "
                 f"{self.config.max_model_len}"
             )
-        if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
-            raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
+        vocab_size = self.model.config.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"token ids must be in [0, {vocab_size})")
+        if any(token >= vocab_size for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         return [int(t) for t in prompt], params
 
     def never_fits(self, num_prompt_tokens: int) -> str | None:
@@ -385,7 +394,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.runner.apply_block_maps(out, self.scheduler.running, self.scheduler.swapped)
         forks, self._more_tokens = self._forks_due(out.scheduled), {}
+        self._step_logprobs, self._more_logprobs = {}, {}
         self.scheduler.postprocess(out.scheduled, self._execute(out.scheduled, forks))
+        self._keep_logprobs(out.scheduled)
         touched = [item.seq for item in out.scheduled] + [i.seq for i in out.ignored]
         for seq_id, firsts in self._more_tokens.items():  # n > 1: the other samples begin
             parent = self._requests[seq_id]
@@ -434,6 +445,8 @@ class LLMEngine:
         try:
             tokens = self.runner.execute(scheduled, forks)
             self._more_tokens.update(self.runner.more_tokens)
+            self._step_logprobs.update(self.runner.logprobs)
+            self._more_logprobs.update(self.runner.more_logprobs)
             return tokens
         except NotImplementedError:
             raise
@@ -442,6 +455,15 @@ class LLMEngine:
                 return [token for item in scheduled for token in self._execute([item], forks)]
             self._fail(scheduled[0].seq, error)
             return [FAILED_TOKEN]
+
+    def _keep_logprobs(self, scheduled: list[ScheduledSequence]) -> None:
+        """Keep the logprobs of each token the step appended (``params.logprobs`` set): one
+        entry per completion token (a prefill chunk that stopped short appended none)."""
+        for item in scheduled:
+            seq, entry = item.seq, self._step_logprobs.get(item.seq.seq_id)
+            kept = self._logprobs.setdefault(seq.seq_id, [])
+            if entry is not None and len(kept) < seq.num_completion_tokens:
+                kept.append(entry)
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
         """Finish a request the model could not run: its blocks freed, the error kept."""
@@ -474,6 +496,9 @@ class LLMEngine:
         error, reason = self._errors.get(seq.seq_id), None
         if finished:
             reason = "error" if error else FINISH_REASONS[seq.status]
+        logprobs = None
+        if seq.sampling_params.logprobs is not None:
+            logprobs = self._logprobs.get(seq.seq_id, [])[sent:]
         return RequestOutput(
             request_id,
             index,
@@ -484,6 +509,7 @@ class LLMEngine:
             reason,
             error,
             state.text[:ready],
+            logprobs,
         )
 
     def _finish_stopped(self, seq: Sequence) -> None:
