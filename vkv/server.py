@@ -270,8 +270,12 @@ async def read_body(request: Request, model_name: str, served: set[str]) -> dict
 
 def decode_bounded(raw: bytes) -> object:
     """``json.loads`` of a body that nests at most ``MAX_JSON_DEPTH`` arrays and objects; a
-    deeper one raises ``RequestError`` before the decoder recurses into it."""
+    deeper one raises ``RequestError`` before the decoder recurses into it. A body with no
+    more opening brackets than that cannot nest deeper, and skips the scan (whose regular
+    expressions hold the GIL: 0.2 s on a 1 MB prompt, while the engine's thread waits)."""
     text = raw.decode()
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return json.loads(text)
     brackets = NOT_BRACKETS.sub("", JSON_STRING.sub("", text))
     steps = (1 if bracket in "[{" else -1 for bracket in brackets)
     depth = max(itertools.accumulate(steps), default=0)
