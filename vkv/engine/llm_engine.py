@@ -464,8 +464,10 @@ class LLMEngine:
         entry per completion token (a prefill chunk that stopped short appended none)."""
         for item in scheduled:
             seq, entry = item.seq, self._step_logprobs.get(item.seq.seq_id)
+            if entry is None:
+                continue
             kept = self._logprobs.setdefault(seq.seq_id, [])
-            if entry is not None and len(kept) < seq.num_completion_tokens:
+            if len(kept) < seq.num_completion_tokens:
                 kept.append(entry)
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
