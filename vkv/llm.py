@@ -24,11 +24,12 @@ class LLM:
         """Generate for every prompt, in prompt order: ``[{"text", "token_ids", "finish_reason",
         "error", "outputs"}]``.
 
-        ``finish_reason`` is ``stop`` (EOS), ``length`` (``max_tokens`` or ``max_model_len``),
-        ``ignored``: the request could never fit the KV cache (its prompt, or the tokens it
-        grew to, need more blocks than the pool has), or ``error``: running the model for it
-        raised, and ``error`` says what (it is None otherwise). The text is what the request
-        generated until it finished. ``outputs`` holds the ``n`` completions of a request
+        ``finish_reason`` is ``stop`` (EOS, or a stop string), ``length`` (``max_tokens`` or
+        ``max_model_len``), ``ignored``: the request could never fit the KV cache (its prompt,
+        or the tokens it grew to, need more blocks than the pool has), or ``error``: running
+        the model for it raised, and ``error`` says what (it is None otherwise). The text is
+        what the request generated until it finished (cut before a stop string,
+        ``SamplingParams.stop``). ``outputs`` holds the ``n`` completions of a request
         (``SamplingParams.n``), each such a dict; the other keys are the first one's. A request
         that ends before its prompt is computed (ignored, or failed) has ``n`` copies of it.
 
@@ -67,7 +68,7 @@ class LLM:
                         progress.advance(task, gained + (max(left, 0) if output.finished else 0))
                     if output.finished:
                         done[output.request_id, output.index] = {
-                            "text": self.engine.decode(output.token_ids),
+                            "text": output.text,
                             "token_ids": output.token_ids,
                             "finish_reason": output.finish_reason,
                             "error": output.error,

@@ -7,15 +7,20 @@ their outputs from an ``asyncio.Queue`` each; a lock serializes the engine's cal
 disconnects aborts its request, which frees its blocks at once.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent
-events with ``"stream": true``; ``n``, ``temperature``, ``top_p``, ``max_tokens``, ``stop``,
-``seed``, ``user``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the engine's
-Prometheus registry). Bad input gets an OpenAI-style error body, ``{"error": {"message",
-"type", "param", "code"}}``, with status 400 (404 for an unknown model), and the engine is
-untouched: any other field (``logprobs``, ``echo``, ``tools``...) is refused naming it, as is
-a missing ``model``, a ``stream`` that is not a boolean, a body over 8 MiB or nested more than
-32 deep (checked before it is decoded), and a prompt that could never fit the KV pool. A
-prompt is tokenized and checked off the engine's thread and the event loop, so a large one
-does not pause the other streams.
+events with ``"stream": true``, and ``stream_options.include_usage`` for a last chunk with the
+usage and no choices; ``n``, ``temperature``, ``top_p``, ``max_tokens``, ``stop``, ``seed``,
+``user``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``; completions:
+``logprobs`` (0 to 5), ``echo``; chat: ``logprobs`` with ``top_logprobs`` (0 to 20)),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the engine's Prometheus registry).
+Logprobs are the log-softmax of the model's raw logits (before penalties, bias and
+temperature: vLLM's default), in OpenAI's shapes. Bad input gets an OpenAI-style error body,
+``{"error": {"message", "type", "param", "code"}}``, with status 400 (404 for an unknown
+model), and the engine is untouched: any other field (``best_of``, ``suffix``, ``tools``,
+``response_format``...) is refused naming it, as is ``echo`` with ``logprobs`` (the prompt's
+logprobs are not computed), a missing ``model``, a ``stream`` that is not a boolean, a body
+over 8 MiB or nested more than 32 deep (checked before it is decoded), and a prompt that could
+never fit the KV pool. A prompt is tokenized and checked off the engine's thread and the event
+loop, so a large one does not pause the other streams.
 
 Chat prompts: the checkpoint's ``chat_template`` (``tokenizer_config.json``, Jinja) when it has
 one; otherwise, as for vkv-tiny, each message as ``"{role}: {content}\\n"`` followed by
@@ -30,10 +35,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from queue import SimpleQueue
 
@@ -43,9 +48,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vkv.engine.llm_engine import LLMEngine, RequestOutput
-from vkv.sampling_params import SamplingParams
+from vkv.engine.model_runner import TokenLogprobs
+from vkv.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on a completion's logprobs (chat: MAX_LOGPROBS)
 WAIT_SECONDS = 0.2  # the longest a request waits for output before it looks for a gone client
 MAX_BODY_BYTES = 8 << 20  # a request body's size bound
 MAX_JSON_DEPTH = 32  # how deeply a body may nest arrays and objects (json.loads recurses)
@@ -63,6 +70,12 @@ SERVED = {  # the fields each endpoint serves; OpenAI's others are refused by na
         "seed",
         "stream",
         "user",
+        "logprobs",
+        "echo",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "stream_options",
     },
     "chat": {
         "model",
@@ -75,6 +88,12 @@ SERVED = {  # the fields each endpoint serves; OpenAI's others are refused by na
         "seed",
         "stream",
         "user",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "stream_options",
     },
 }
 
@@ -162,8 +181,9 @@ class Sample:
     """What a client has been sent of one of a request's samples."""
 
     text: str = ""  # what it generated, cut before a stop string
-    sent: int = 0  # how much of ``text`` went to the client
     tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # its tokens', if asked
+    offset: int = 0  # where its next token's text begins in the choice's text (text_offset)
     finish_reason: str | None = None
 
 
@@ -250,8 +270,12 @@ async def read_body(request: Request, model_name: str, served: set[str]) -> dict
 
 def decode_bounded(raw: bytes) -> object:
     """``json.loads`` of a body that nests at most ``MAX_JSON_DEPTH`` arrays and objects; a
-    deeper one raises ``RequestError`` before the decoder recurses into it."""
+    deeper one raises ``RequestError`` before the decoder recurses into it. A body with no
+    more opening brackets than that cannot nest deeper, and skips the scan (whose regular
+    expressions hold the GIL: 0.2 s on a 1 MB prompt, while the engine's thread waits)."""
     text = raw.decode()
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return json.loads(text)
     brackets = NOT_BRACKETS.sub("", JSON_STRING.sub("", text))
     steps = (1 if bracket in "[{" else -1 for bracket in brackets)
     depth = max(itertools.accumulate(steps), default=0)
@@ -260,13 +284,12 @@ def decode_bounded(raw: bytes) -> object:
     return json.loads(text)
 
 
-def sampling_params(body: dict, max_model_len: int) -> tuple[SamplingParams, list[str]]:
-    """The request's sampling options, checked (``RequestError`` names the bad one)."""
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError("stop must be a string or a list of non-empty strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
+def sampling_params(body: dict, max_model_len: int, chat: bool) -> SamplingParams:
+    """The request's sampling options, checked (``RequestError`` names the bad one): OpenAI's
+    ranges for ``logprobs`` (completions: 0 to 5) and ``top_logprobs`` (chat: 0 to 20, with
+    ``logprobs: true``); ``logit_bias`` keys are token ids written as strings (JSON's)."""
+    stop = body.get("stop") or ()
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
     max_tokens = body.get("max_tokens", 16)
     if (
@@ -284,12 +307,94 @@ def sampling_params(body: dict, max_model_len: int) -> tuple[SamplingParams, lis
         "max_tokens": max_tokens,
         "n": body.get("n", 1),
         "seed": body.get("seed"),
+        "stop": stop,
+        "presence_penalty": optional(body, "presence_penalty", 0.0),
+        "frequency_penalty": optional(body, "frequency_penalty", 0.0),
+        "logit_bias": logit_bias(optional(body, "logit_bias", {})),
+        "logprobs": chat_logprobs_option(body) if chat else completion_logprobs_option(body),
     }
     try:
-        return SamplingParams(**options), stop
+        return SamplingParams(**options)
     except (ValueError, TypeError) as error:
         param = str(error).split()[0]
         raise RequestError(str(error), param if param in options else None) from None
+
+
+def optional(body: dict, name: str, default: object) -> object:
+    """A field's value; its default when it is absent or null (OpenAI's optional fields)."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def logit_bias(bias: object) -> dict[int, object]:
+    """OpenAI's ``logit_bias`` (token ids as JSON strings -> biases) with integer keys."""
+    if not isinstance(bias, dict) or not all(
+        isinstance(key, str) and key.isdecimal() for key in bias
+    ):
+        raise RequestError(
+            f"logit_bias must map token ids (as strings of digits) to biases, got {bias!r}",
+            "logit_bias",
+        )
+    return {int(key): value for key, value in bias.items()}
+
+
+def completion_logprobs_option(body: dict) -> int | None:
+    """``logprobs`` of a completion: None, or how many alternatives per token, 0 to 5."""
+    value = body.get("logprobs")
+    if value is not None and (not is_int(value) or not 0 <= value <= MAX_COMPLETION_LOGPROBS):
+        raise RequestError(
+            f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] or null, got {value!r}",
+            "logprobs",
+        )
+    if value is not None and body.get("echo"):
+        raise RequestError(
+            "echo with logprobs is not supported by vkv serve: it would need the prompt's "
+            "logprobs, which vkv does not compute",
+            "echo",
+        )
+    return value
+
+
+def chat_logprobs_option(body: dict) -> int | None:
+    """A chat's ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20, with logprobs)
+    as ``SamplingParams.logprobs``: None without logprobs."""
+    wanted, top = optional(body, "logprobs", False), body.get("top_logprobs")
+    if not isinstance(wanted, bool):
+        raise RequestError(f"logprobs must be true or false, got {wanted!r}", "logprobs")
+    if top is not None and (not is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise RequestError(
+            f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {top!r}",
+            "top_logprobs",
+        )
+    if top is not None and not wanted:
+        raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def stream_options(body: dict) -> bool:
+    """Whether the stream ends with a usage chunk: ``stream_options`` is null or
+    ``{"include_usage": bool}``, and only for a streamed request."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict) or not options.keys() <= {"include_usage"}:
+        raise RequestError(
+            f'stream_options must be {{"include_usage": true or false}}, got {options!r}',
+            "stream_options",
+        )
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise RequestError(
+            f"stream_options.include_usage must be true or false, got {include!r}",
+            "stream_options",
+        )
+    return include
 
 
 def render_chat(messages: object, template: str | None) -> str:
@@ -311,13 +416,75 @@ def render_chat(messages: object, template: str | None) -> str:
     return lines + "assistant: "
 
 
+@dataclass(slots=True)
+class Reply:
+    """How a request's answer is written: its head (id, created, model), the endpoint's shape,
+    the text echoed before each completion, whether logprobs and a usage chunk go out."""
+
+    head: dict
+    chat: bool
+    decode: Callable[[list[int]], str]
+    prompt_tokens: int
+    echo: str = ""
+    logprobs: bool = False
+    include_usage: bool = False
+
+    def usage(self, samples: list["Sample"]) -> dict:
+        completion_tokens = sum(s.tokens for s in samples)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+    def logprobs_of(self, sample: "Sample", entries: list[TokenLogprobs]) -> dict | None:
+        """OpenAI's ``logprobs`` of a choice for these tokens of ``sample`` (None when not
+        asked). Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the top k and
+        the token itself, as OpenAI documents: up to k + 1) and ``text_offset`` (each token's
+        place in the choice's text, echo included); chat: a ``content`` list of ``{token,
+        logprob, bytes, top_logprobs}``."""
+        if not self.logprobs:
+            return None
+        tokens = [self.decode([e.token_id]) for e in entries]
+        if self.chat:
+            content = [
+                {
+                    **token_info(token, entry.logprob),
+                    "top_logprobs": [token_info(self.decode([t]), v) for t, v in entry.top],
+                }
+                for token, entry in zip(tokens, entries, strict=True)
+            ]
+            return {"content": content, "refusal": None}
+        offsets = list(itertools.accumulate(map(len, tokens), initial=sample.offset))
+        sample.offset = offsets.pop()
+        top = [
+            {**{self.decode([t]): v for t, v in e.top}, token: e.logprob}
+            for token, e in zip(tokens, entries, strict=True)
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
+def token_info(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
 async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str, chat: bool):
     engine = served.engine
-    params, stop = sampling_params(body, engine.config.max_model_len)
+    params = sampling_params(body, engine.config.max_model_len, chat)
+    include_usage = stream_options(body)
+    echo = optional(body, "echo", False)
+    if not isinstance(echo, bool):
+        raise RequestError(f"echo must be true or false, got {echo!r}", "echo")
     try:  # tokenizing and checking off the engine's thread and the event loop
         token_ids, params = await asyncio.to_thread(engine.check_request, prompt, params)
     except ValueError as error:
-        param = "n" if str(error).startswith("n (") else "messages" if chat else "prompt"
+        param = str(error).split()[0]
+        param = {"n": "n", "logit_bias": "logit_bias"}.get(param, "messages" if chat else "prompt")
         raise RequestError(str(error), param) from None
     never = engine.never_fits(len(token_ids))
     if never is not None:
@@ -325,19 +492,27 @@ async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str
             f"this request can never be served: {never}", "messages" if chat else "prompt"
         )
     request_id, queue = await served.add(token_ids, params)
-    prompt_tokens = len(token_ids)
     head = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         "created": int(time.time()),
         "model": body["model"],
     }
-    samples = [Sample() for _ in range(params.n)]
+    reply = Reply(
+        head,
+        chat,
+        engine.decode,
+        len(token_ids),
+        prompt if echo else "",
+        params.logprobs is not None,
+        include_usage,
+    )
+    samples = [Sample(offset=len(reply.echo)) for _ in range(params.n)]
     gone = asyncio.Event()
     watcher = asyncio.create_task(watch_disconnect(request, gone))
-    events = follow(gone, served, request_id, queue, samples, stop)
+    events = follow(gone, served, request_id, queue, samples)
     if body.get("stream"):
         return StreamingResponse(
-            stream(events, head, samples, chat, watcher), media_type="text/event-stream"
+            stream(events, reply, samples, watcher), media_type="text/event-stream"
         )
     try:
         async for _ in events:
@@ -346,16 +521,16 @@ async def respond(request: Request, served: AsyncEngine, body: dict, prompt: str
         watcher.cancel()
     if any(s.finish_reason is None for s in samples):  # the client left
         return Response(status_code=499)
-    completion_tokens = sum(s.tokens for s in samples)
+    for sample in samples:
+        sample.offset = len(reply.echo)
     return {
         **head,
         "object": "chat.completion" if chat else "text_completion",
-        "choices": [choice(i, s.text, s.finish_reason, chat) for i, s in enumerate(samples)],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "choices": [
+            choice(i, reply.echo + s.text, s.finish_reason, chat, reply.logprobs_of(s, s.logprobs))
+            for i, s in enumerate(samples)
+        ],
+        "usage": reply.usage(samples),
     }
 
 
@@ -374,13 +549,10 @@ async def follow(
     request_id: int,
     queue: asyncio.Queue,
     samples: list[Sample],
-    stop: list[str],
-) -> AsyncIterator[tuple[int, str]]:
-    """Yield ``(sample index, new text)`` as the engine produces it, until every sample is done;
-    a stop string ends its sample (the text before it is kept; while a sample runs, its last
-    ``len(longest stop) - 1`` characters are held back, as they may begin a stop string); a gone
-    client aborts all."""
-    hold = max(map(len, stop), default=1) - 1
+) -> AsyncIterator[tuple[int, str, list[TokenLogprobs]]]:
+    """Yield ``(sample index, new text, the new tokens' logprobs)`` as the engine produces
+    them (the logprobs empty when not asked), until every sample is done (the engine ends a
+    sample at a stop string, its text cut before it); a gone client aborts all."""
     try:
         while not all(s.finish_reason for s in samples):
             if gone.is_set():
@@ -393,44 +565,45 @@ async def follow(
             if sample.finish_reason:
                 continue
             sample.tokens += len(output.new_token_ids)
-            start = max(0, len(sample.text) - hold)  # a stop string may begin in held-back text
             sample.text += output.new_text
-            reason, cut = output.finish_reason, first_stop(sample.text, stop, start)
-            if cut is not None:
-                sample.text, reason = sample.text[:cut], "stop"
-            if reason is not None:
-                sample.finish_reason = reason
-            ready = len(sample.text) if reason else max(sample.sent, len(sample.text) - hold)
-            if ready > sample.sent:
-                yield output.index, sample.text[sample.sent : ready]
-                sample.sent = ready
+            sample.finish_reason = output.finish_reason
+            logprobs = output.logprobs or []
+            sample.logprobs += logprobs
+            if output.new_text or logprobs:
+                yield output.index, output.new_text, logprobs
     finally:
         served.release(request_id)
 
 
-def first_stop(text: str, stop: list[str], start: int = 0) -> int | None:
-    """Where the earliest stop string begins in ``text`` at or after ``start``, or None."""
-    found = [text.find(s, start) for s in stop]
-    found = [i for i in found if i >= 0]
-    return min(found) if found else None
-
-
 async def stream(
-    events, head: dict, samples: list[Sample], chat: bool, watcher: asyncio.Task
+    events, reply: Reply, samples: list[Sample], watcher: asyncio.Task
 ) -> AsyncIterator[str]:
+    """The answer as server-sent events: a chat's role first, a completion's echoed prompt
+    first; then each piece of text with its logprobs; each sample's finish reason; with
+    ``include_usage``, a last chunk of no choices and the usage (``usage`` is null before)."""
+    chat = reply.chat
     kind = "chat.completion.chunk" if chat else "text_completion"
-    if chat:
-        for index in range(len(samples)):
-            yield sse({**head, "object": kind, "choices": [delta(index, "", None, True, True)]})
+    extra = {"usage": None} if reply.include_usage else {}
+
+    def chunk(choices: list[dict]) -> str:
+        return sse({**reply.head, "object": kind, "choices": choices, **extra})
+
+    for index in range(len(samples)):
+        if chat:
+            yield chunk([delta(index, "", None, chat, role=True)])
+        elif reply.echo:
+            yield chunk([delta(index, reply.echo, None, chat)])
     try:
-        async for index, text in events:
-            yield sse({**head, "object": kind, "choices": [delta(index, text, None, chat)]})
+        async for index, text, logprobs in events:
+            logprobs = reply.logprobs_of(samples[index], logprobs)
+            yield chunk([delta(index, text, None, chat, logprobs=logprobs)])
     finally:
         await events.aclose()  # a client that left: its request is released now
         watcher.cancel()
     for index, sample in enumerate(samples):
-        last = delta(index, "", sample.finish_reason, chat)
-        yield sse({**head, "object": kind, "choices": [last]})
+        yield chunk([delta(index, "", sample.finish_reason, chat)])
+    if reply.include_usage:
+        yield sse({**reply.head, "object": kind, "choices": [], "usage": reply.usage(samples)})
     yield "data: [DONE]\n\n"
 
 
@@ -438,18 +611,25 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def choice(index: int, text: str, reason: str | None, chat: bool) -> dict:
+def choice(index: int, text: str, reason: str | None, chat: bool, logprobs: dict | None) -> dict:
     if chat:
         message = {"role": "assistant", "content": text}
-        return {"index": index, "message": message, "finish_reason": reason}
-    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+        return {"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
 
-def delta(index: int, text: str, reason: str | None, chat: bool, role: bool = False) -> dict:
+def delta(
+    index: int,
+    text: str,
+    reason: str | None,
+    chat: bool,
+    role: bool = False,
+    logprobs: dict | None = None,
+) -> dict:
     if chat:
         content = {"role": "assistant", "content": ""} if role else {"content": text}
-        return {"index": index, "delta": content, "finish_reason": reason}
-    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+        return {"index": index, "delta": content, "finish_reason": reason, "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
 
 def error_response(error: RequestError) -> JSONResponse:

@@ -70,6 +70,23 @@ def test_an_aborted_request_counts_as_aborted():
     assert value(engine, "request_success_total", finished_reason="abort") == 2
 
 
+def test_an_abort_refreshes_the_gauges_and_stats_without_a_step():
+    engine = LLM(num_gpu_blocks=32).engine
+    request = engine.add_request("import os\n", SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.stats["running"] == value(engine, "num_requests_running") == 1
+    assert value(engine, "gpu_cache_usage_perc") > 0
+    steps = value(engine, "generation_tokens_total")
+    engine.abort(request)
+    assert engine.stats["running"] == engine.stats["waiting"] == 0
+    assert engine.stats["gpu_kv_usage"] == 0, "the aborted request's blocks are free"
+    for gauge in ("num_requests_running", "num_requests_waiting", "gpu_cache_usage_perc"):
+        assert value(engine, gauge) == 0, f"{gauge} still describes the engine before the abort"
+    assert value(engine, "generation_tokens_total") == steps, "an abort generates nothing"
+    assert value(engine, "num_preemptions_total") == 0
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool: apt-get install prometheus")
 def test_the_exposition_passes_promtool(served):
     engine, _ = served

@@ -2,7 +2,8 @@
 
 ``add_request`` tokenizes and queues a prompt, ``step`` runs one scheduler step through the
 model and returns what each request gained (new text for streaming, and whether it finished),
-``abort`` drops a request, ``stats`` describes the engine after the last step. Bad input (an
+``abort`` drops a request, ``stats`` describes the engine after the last step (its queues and
+KV usage also after an abort). Bad input (an
 empty prompt, one longer than ``max_model_len``, text without a tokenizer) raises at
 ``add_request`` and leaves the other requests and the block accounting as they were.
 
@@ -32,7 +33,7 @@ from vkv.assignment import progress
 from vkv.config import KV_CACHE_DTYPES, Config
 from vkv.engine.block_manager import AllocStatus
 from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
-from vkv.engine.model_runner import ModelRunner
+from vkv.engine.model_runner import ModelRunner, TokenLogprobs
 from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.kernels import cpu_attention, reference
@@ -63,6 +64,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     error: str | None = None  # why a request with finish_reason "error" failed
+    text: str = ""  # all the text returned so far: the new_text of every output, joined
+    logprobs: list[TokenLogprobs] | None = None  # new_token_ids' (params.logprobs set)
 
 
 class LLMEngine:
@@ -183,6 +186,9 @@ class LLMEngine:
         self._streamed: dict[int, Detokenized] = {}  # what each sequence has returned
         self._errors: dict[int, str] = {}  # sequence id -> why it failed
         self._more_tokens: dict[int, list[int]] = {}  # this step's other samples' first tokens
+        self._step_logprobs: dict[int, TokenLogprobs] = {}  # this step's tokens' logprobs
+        self._more_logprobs: dict[int, list[TokenLogprobs]] = {}  # and its other samples'
+        self._logprobs: dict[int, list[TokenLogprobs]] = {}  # seq id -> its tokens' logprobs
         self._next_id = 0
         self.stats: dict[str, float] = {}
         self.metrics = EngineMetrics(max_model_len, model_name=model_label(model))
@@ -240,7 +246,8 @@ class LLMEngine:
         that token finishes at once, and if the first sample finished already, the others
         are new requests. Returns the new sequences."""
         children = []
-        for own, first in zip(params, firsts, strict=True):
+        logprobs = self._more_logprobs.get(parent.seq_id, [])  # each child's first, if asked
+        for i, (own, first) in enumerate(zip(params, firsts, strict=True)):
             child = Sequence(
                 self._next_id,
                 parent.prompt_token_ids,
@@ -249,6 +256,7 @@ class LLMEngine:
                 parent.arrival_time,
             )
             child.append_token(first)
+            self._logprobs[child.seq_id] = logprobs[i : i + 1]
             child.group_id = parent.group_id
             self._track(child, parent.seq_id)
             status = self.scheduler._stop_status(child, first)
@@ -269,8 +277,9 @@ class LLMEngine:
         Raises ``ValueError`` for params that are not a ``SamplingParams``, text that is not
         valid UTF-8, a prompt that is neither text nor a list of integer token ids (``True``
         and ``65.7`` are not token ids), an empty prompt, one longer than ``max_model_len``, or
-        an id outside the vocabulary.
-        Queues nothing: ``LLM.generate`` checks a whole batch before adding any of it.
+        an id outside the vocabulary (in the prompt or in ``params.logit_bias``).
+        Queues nothing: ``LLM.generate`` checks a whole batch before adding any of it. Other
+        threads run while the text is tokenized (a server tokenizes off the engine's thread).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -279,7 +288,9 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids")
             check_text(prompt)
-            prompt = self.tokenizer.encode(prompt).ids
+            # encode_batch lets go of the GIL while it runs (encode holds it: 1.5 s for a 1 MB
+            # prompt, and the engine's thread would stop stepping all that time)
+            prompt = self.tokenizer.encode_batch([prompt])[0].ids
         if not isinstance(prompt, list | tuple) or not all(map(_is_token_id, prompt)):
             raise ValueError(f"a prompt is text or a list of integer token ids, got {prompt!r}")
         if params.n > self.config.max_num_seqs:
@@ -294,8 +305,11 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens, more than max_model_len "
                 f"{self.config.max_model_len}"
             )
-        if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
-            raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
+        vocab_size = self.model.config.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"token ids must be in [0, {vocab_size})")
+        if any(token >= vocab_size for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         return [int(t) for t in prompt], params
 
     def never_fits(self, num_prompt_tokens: int) -> str | None:
@@ -329,7 +343,8 @@ class LLMEngine:
         return list(self._samples[request_id])
 
     def abort(self, request_id: int) -> None:
-        """Abort every unfinished sample of a request; ``ValueError`` if it has none."""
+        """Abort every unfinished sample of a request (its blocks freed; ``stats`` and the
+        gauges refreshed at once); ``ValueError`` if it has none."""
         unfinished = [seq for seq in self._samples.get(request_id, []) if not seq.is_finished]
         if not unfinished:
             raise ValueError(f"abort: no unfinished sequence has id {request_id}")
@@ -338,6 +353,31 @@ class LLMEngine:
             self.scheduler.abort(seq.seq_id)
             if self.stat_logger is not None:
                 self.stat_logger.record_finished(seq, "abort", now)
+        self._refresh_state(now)
+
+    def _refresh_state(self, now: float) -> None:
+        """``stats`` and the metrics' gauges as the engine is now, between steps (an abort
+        frees blocks and empties queues when no step may follow). The gauges are set through
+        ``StatLogger.record_step`` with an empty ``SchedulerOutput``: no step ran, so its
+        event counters add nothing."""
+        self.stats.update(self._state())
+        if self.stat_logger is not None:
+            self.stat_logger.record_step(SchedulerOutput(), self.scheduler, now)
+
+    def _state(self) -> dict[str, float]:
+        """The engine's state in ``stats``: its queues, the KV usage of each pool, and the
+        preemptions and prefix-cache lookups so far."""
+        manager = self.scheduler.block_manager
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "swapped": len(self.scheduler.swapped),
+            "gpu_kv_usage": manager.gpu_usage,
+            "cpu_kv_usage": manager.cpu_usage,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": manager.num_query_tokens,
+            "prefix_cache_hits": manager.num_hit_tokens,
+        }
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -349,13 +389,17 @@ class LLMEngine:
         the preemptions so far, the blocks this step swapped out and in and copied on write,
         the prompt tokens queried in the prefix cache and hit so far (first admissions only; 0
         without prefix caching), its batched tokens and tokens per second, and its wall time
-        with the model's part of it (step_seconds, model_seconds).
+        with the model's part of it (step_seconds, model_seconds). An ``abort`` refreshes the
+        state in ``stats`` (queues, usage, totals) and the metrics' gauges at once, so both
+        describe the engine as it is even when no step follows; the step's own figures stay.
         """
         started = time.perf_counter()
         out = self.scheduler.schedule()
         self.runner.apply_block_maps(out, self.scheduler.running, self.scheduler.swapped)
         forks, self._more_tokens = self._forks_due(out.scheduled), {}
+        self._step_logprobs, self._more_logprobs = {}, {}
         self.scheduler.postprocess(out.scheduled, self._execute(out.scheduled, forks))
+        self._keep_logprobs(out.scheduled)
         touched = [item.seq for item in out.scheduled] + [i.seq for i in out.ignored]
         for seq_id, firsts in self._more_tokens.items():  # n > 1: the other samples begin
             parent = self._requests[seq_id]
@@ -364,19 +408,11 @@ class LLMEngine:
         outputs = [self._output(seq) for seq in touched]
         self._record(out, touched, outputs)
         elapsed = time.perf_counter() - started
-        manager = self.scheduler.block_manager
         self.stats = {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "swapped": len(self.scheduler.swapped),
-            "gpu_kv_usage": manager.gpu_usage,
-            "cpu_kv_usage": manager.cpu_usage,
-            "preemptions": self.scheduler.num_preemptions,
+            **self._state(),
             "blocks_swapped_out": len(out.blocks_to_swap_out),
             "blocks_swapped_in": len(out.blocks_to_swap_in),
             "blocks_copied": sum(map(len, out.blocks_to_copy.values())),
-            "prefix_cache_queries": manager.num_query_tokens,
-            "prefix_cache_hits": manager.num_hit_tokens,
             "batched_tokens": out.num_batched_tokens,
             "tokens_per_s": out.num_batched_tokens / elapsed if elapsed else 0.0,
             "step_seconds": elapsed,
@@ -412,6 +448,8 @@ class LLMEngine:
         try:
             tokens = self.runner.execute(scheduled, forks)
             self._more_tokens.update(self.runner.more_tokens)
+            self._step_logprobs.update(self.runner.logprobs)
+            self._more_logprobs.update(self.runner.more_logprobs)
             return tokens
         except NotImplementedError:
             raise
@@ -421,6 +459,17 @@ class LLMEngine:
             self._fail(scheduled[0].seq, error)
             return [FAILED_TOKEN]
 
+    def _keep_logprobs(self, scheduled: list[ScheduledSequence]) -> None:
+        """Keep the logprobs of each token the step appended (``params.logprobs`` set): one
+        entry per completion token (a prefill chunk that stopped short appended none)."""
+        for item in scheduled:
+            seq, entry = item.seq, self._step_logprobs.get(item.seq.seq_id)
+            if entry is None:
+                continue
+            kept = self._logprobs.setdefault(seq.seq_id, [])
+            if len(kept) < seq.num_completion_tokens:
+                kept.append(entry)
+
     def _fail(self, seq: Sequence, error: BaseException) -> None:
         """Finish a request the model could not run: its blocks freed, the error kept."""
         reason = " ".join(f"{type(error).__name__}: {error}".split())
@@ -429,18 +478,52 @@ class LLMEngine:
         print(f"vkv: request {seq.seq_id} failed: {reason}", file=sys.stderr)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        completion, finished = seq.completion_token_ids, seq.is_finished
-        error = self._errors.get(seq.seq_id)
+        """What the sequence gained since its last output. A stop string
+        (``SamplingParams.stop``) in its text finishes it here, as FINISHED_STOPPED, before
+        another step can run it: its text is cut before the string (the tokens stay, the one
+        that completed the string included). While it runs, the text's last ``len(longest stop
+        string) - 1`` characters are held back, as they may begin a stop string."""
+        completion = seq.completion_token_ids
         state = self._streamed[seq.seq_id]
-        sent, new_text = state.sent, self._new_text(state, completion, finished)
-        state.sent = len(completion)
+        stop = seq.sampling_params.stop
+        hold = max(map(len, stop), default=1) - 1
+        searched = max(0, len(state.text) - hold)  # a stop string may begin in held-back text
+        state.text += self._new_text(state, completion, seq.is_finished)
+        cut = first_stop(state.text, stop, searched) if stop else None
+        if cut is not None:
+            state.text = state.text[:cut]
+            self._finish_stopped(seq)
+        finished = seq.is_finished
+        ready = len(state.text) if finished else max(state.returned, len(state.text) - hold)
+        new_text, state.returned = state.text[state.returned : ready], ready
+        sent, state.sent = state.sent, len(completion)
         request_id, index = self._sample_of[seq.seq_id]
-        reason = None
+        error, reason = self._errors.get(seq.seq_id), None
         if finished:
             reason = "error" if error else FINISH_REASONS[seq.status]
+        logprobs = None
+        if seq.sampling_params.logprobs is not None:
+            logprobs = self._logprobs.get(seq.seq_id, [])[sent:]
         return RequestOutput(
-            request_id, index, new_text, completion[sent:], completion, finished, reason, error
+            request_id,
+            index,
+            new_text,
+            completion[sent:],
+            completion,
+            finished,
+            reason,
+            error,
+            state.text[:ready],
+            logprobs,
         )
+
+    def _finish_stopped(self, seq: Sequence) -> None:
+        """Finish a sequence whose text reached a stop string as FINISHED_STOPPED (vLLM's
+        ``finish_reason`` "stop"), its blocks freed; it may have finished in this step
+        already (at ``max_tokens``, say): the stop string is the reason then."""
+        if not seq.is_finished:
+            self.scheduler.abort(seq.seq_id)  # out of its queue, its blocks freed
+        seq.status = SequenceStatus.FINISHED_STOPPED
 
     def _new_text(self, state: "Detokenized", tokens: list[int], finished: bool) -> str:
         """The text the tokens past ``state.read_offset`` add (vLLM's incremental detokenizer):
@@ -461,11 +544,21 @@ class LLMEngine:
 
 @dataclass(slots=True)
 class Detokenized:
-    """What a sequence has returned: tokens (``sent``) and text (through ``read_offset``)."""
+    """What a sequence has returned: tokens (``sent``), the text decoded from its tokens
+    (through ``read_offset``; ``text``, cut before a stop string) and how much of it went out
+    (``returned`` characters)."""
 
     sent: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
+    text: str = ""
+    returned: int = 0
+
+
+def first_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int | None:
+    """Where the earliest stop string begins in ``text`` at or after ``start``, or None."""
+    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(found) if found else None
 
 
 def model_label(model: str | Path | None) -> str:

@@ -7,10 +7,16 @@ block table. The CacheEngine first applies the step's swap and copy maps. A pure
 uses the decode kernel; any step with a prefill (or a chunk of one) uses the prefill kernel,
 for which a decode token is a one-token chunk. The logits of each sequence's last computed token
 are sampled (a prefill chunk that stops short gets a token the scheduler then ignores).
+
+Before sampling, a request's penalties and logit bias adjust its row of logits
+(``adjust_logits``); a request that asks for logprobs gets, for each sampled token, its
+log-probability and the most likely alternatives from the log-softmax of the raw row (before
+penalties, bias, temperature, top-k and top-p: vLLM's default, ``logprobs_mode="raw_logprobs"``).
 """
 
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -23,6 +29,18 @@ from vkv.engine.scheduler import ScheduledSequence, SchedulerOutput
 from vkv.engine.sequence import Sequence
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 from vkv.sampling_params import MAX_SEED, SamplingParams
+
+LOGPROB_FLOOR = -9999.0  # a log-probability that underflows to -inf is reported as this (vLLM)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the ``k`` most likely tokens' (``top``: ``(token
+    id, logprob)`` pairs, most likely first; ``k`` is ``SamplingParams.logprobs``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 class ModelRunner:
@@ -39,6 +57,8 @@ class ModelRunner:
         self.backend = backend
         self.device = cache_engine.device
         self.more_tokens: dict[int, list[int]] = {}  # execute's other samples' tokens
+        self.logprobs: dict[int, TokenLogprobs] = {}  # execute's tokens' logprobs, if asked
+        self.more_logprobs: dict[int, list[TokenLogprobs]] = {}  # the other samples' ones
         self.model_seconds = 0.0
 
     def prepare(
@@ -115,12 +135,14 @@ class ModelRunner:
 
         ``more_samples`` maps a sequence id to the params of more samples to draw from the same
         logits (parallel sampling: the other samples' first tokens); they are left in
-        ``self.more_tokens`` (sequence id -> tokens, in order). Only the slots of ``scheduled``
-        are written, so a subset of a step's batch can run again on its own. ``model_seconds``
-        adds the time the model's forward took (the rest of a step is overhead: scheduling,
-        block maps, inputs, sampling).
+        ``self.more_tokens`` (sequence id -> tokens, in order). A sequence whose params ask for
+        ``logprobs`` has its token's ``TokenLogprobs`` in ``self.logprobs`` (by sequence id;
+        its other samples' in ``self.more_logprobs``, in order). Only the slots of
+        ``scheduled`` are written, so a subset of a step's batch can run again on its own.
+        ``model_seconds`` adds the time the model's forward took (the rest of a step is
+        overhead: scheduling, block maps, inputs, sampling).
         """
-        self.more_tokens = {}
+        self.more_tokens, self.logprobs, self.more_logprobs = {}, {}, {}
         if not scheduled:
             return []
         input_ids, positions, meta = self.prepare(scheduled)
@@ -136,14 +158,54 @@ class ModelRunner:
             for row, item in zip(logits, scheduled, strict=True):
                 step, seq_id = item.seq.num_tokens, item.seq.seq_id
                 for params in more_samples.get(seq_id, ()):
-                    self.more_tokens.setdefault(seq_id, []).append(sample(row, params, step))
+                    token = sample(adjust_logits(row, params, []), params, step)
+                    self.more_tokens.setdefault(seq_id, []).append(token)
+                    if params.logprobs is not None:
+                        entry = token_logprobs(row, token, params.logprobs)
+                        self.more_logprobs.setdefault(seq_id, []).append(entry)
         params = [item.seq.sampling_params for item in scheduled]
-        if all(p.greedy for p in params):
-            return greedy_tokens(logits)
-        return [
-            sample(row, p, item.seq.num_tokens)
-            for row, p, item in zip(logits, params, scheduled, strict=True)
-        ]
+        if all(p.greedy and not p.adjusts_logits for p in params):
+            tokens = greedy_tokens(logits)
+        else:
+            tokens = [
+                sample(adjust_logits(row, p, item.seq.completion_token_ids), p, item.seq.num_tokens)
+                for row, p, item in zip(logits, params, scheduled, strict=True)
+            ]
+        for row, p, item, token in zip(logits, params, scheduled, tokens, strict=True):
+            if p.logprobs is not None:
+                self.logprobs[item.seq.seq_id] = token_logprobs(row, token, p.logprobs)
+        return tokens
+
+
+def adjust_logits(
+    logits: torch.Tensor, params: SamplingParams, output_ids: list[int]
+) -> torch.Tensor:
+    """One row of logits with the request's logit bias added and its penalties taken off
+    (OpenAI's formula): ``logits[t] + bias[t] - frequency_penalty * count[t] -
+    presence_penalty * (count[t] > 0)``, where ``count[t]`` is how often ``t`` occurs in
+    ``output_ids`` (the tokens generated so far, not the prompt: vLLM's rule). The row itself
+    when the params adjust nothing; a new float32 row otherwise."""
+    if not params.adjusts_logits:
+        return logits
+    scores = logits.float().clone()
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias, strict=True)
+        scores[list(ids)] += torch.tensor(biases, device=scores.device)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        tokens = torch.tensor(output_ids, device=scores.device)
+        counts = torch.bincount(tokens, minlength=scores.numel()).float()
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return scores
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The sampled ``token``'s log-probability and the ``k`` most likely tokens', from the
+    log-softmax of the raw row of ``logits`` (values below ``LOGPROB_FLOOR`` are raised to it:
+    JSON has no -inf)."""
+    logprobs = logits.float().log_softmax(-1).clamp(min=LOGPROB_FLOOR)
+    top = torch.topk(logprobs, min(k, logprobs.numel()))
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return TokenLogprobs(token, float(logprobs[token]), pairs)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
