@@ -882,6 +882,18 @@ def test_part8_the_alerts_carry_for_labels_and_annotations():
     )
 
 
+def test_part8_the_alerts_default_to_90_percent_for_5m_and_1_a_second_for_2m():
+    for function, defaults in (
+        (kv_cache_full_alert, (0.9, "5m")),
+        (preemption_storm_alert, (1.0, "2m", "1m")),
+    ):
+        got, want = built(function), built(function, *defaults)
+        assert got == want, (
+            f"{function.__name__}() is the alert vkv monitor init writes: its defaults are "
+            f"{defaults} (the signature's); expected\n{want}\ngot\n{got}"
+        )
+
+
 @pytest.mark.parametrize(
     ("call", "args", "message"),
     [
