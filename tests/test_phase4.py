@@ -1957,6 +1957,8 @@ def test_part9_a_decode_of_a_sequence_not_on_the_gpu_is_refused(where):
             f"append_slot of a sequence with {where} is Phase 1's error; expected the message "
             f"{expected!r}, got {str(error)!r}"
         )
+    except NotImplementedError:
+        raise
     except Exception as error:
         raise AssertionError(
             f"append_slot of a sequence with {where} must raise Phase 1's ValueError "
