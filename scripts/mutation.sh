@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mutation testing of the eight graded modules with mutmut 3 (a dev dependency: run `uv sync`).
+# Mutation testing of the graded modules with mutmut 3 (a dev dependency: run `uv sync`).
 #
 #   bash scripts/mutation.sh                  fresh run (3 minutes on 2 idle cores)
 #   bash scripts/mutation.sh --resume         finish an interrupted run (checks only the
@@ -8,8 +8,12 @@
 #                                             `mutmut results`, `mutmut show NAME`
 #
 # [tool.mutmut] in pyproject.toml says what is mutated (vkv/engine/{sequence,block,evictor,
-# block_manager,swapper,scheduler,quantizer,radix_cache}.py, vkv/metrics/stats.py) and which tests run (tests/test_phase{1,2,3,4,5}.py
-# and tests/hidden/test_phase{1,3,4}_hidden.py; never tests/runtime or tests/instructor).
+# block_manager,swapper,scheduler,quantizer,radix_cache,key_residual,prefix_caching}.py,
+# vkv/kernels/quantized.py, vkv/metrics/{stats,rules}.py) and which tests run
+# (tests/test_phase{1,2,3,4,5}.py and tests/hidden/test_phase{1,3,4,5}_hidden.py; never
+# tests/runtime or tests/instructor). Phase 5's rule tests need promtool (Debian: apt-get
+# install prometheus): without it they would be skipped and every rules.py mutant survive, so
+# VKV_REQUIRE_PROMETHEUS=1 makes them fail instead.
 #
 # mutmut runs in a staging copy, build/mutation/ (vkv/, tests/, pyproject.toml), never in the
 # working tree: mutmut 3 does not mutate decorated functions, so in the staging copy each
@@ -19,7 +23,17 @@
 # build/mutation/mutants/ and runs pytest there, forking one child per mutant.
 #
 # Environment: MUTMUT_MAX_CHILDREN (parallel workers, default 2),
-#              VKV_HYPOTHESIS_SHRINK (default 0: Hypothesis does not shrink a failure).
+#              VKV_HYPOTHESIS_SHRINK (default 0: Hypothesis does not shrink a failure),
+#              VKV_GRADE_SEED (default 20261202: the hidden tests draw the same cases for the
+#                clean run and every mutant),
+#              OMP_NUM_THREADS (default 1: mutmut's timeout is in CPU seconds, scaled from the
+#                clean run's wall time, and torch's extra threads spend CPU seconds faster),
+#              VKV_REQUIRE_PROMETHEUS (default 1: Phase 5's rule tests fail without promtool).
+#              MUTATION_MODULES, MUTATION_TESTS (space-separated paths: mutate only these modules,
+#                run only these test files; default: [tool.mutmut]'s lists), e.g.
+#                MUTATION_MODULES=vkv/engine/key_residual.py MUTATION_TESTS="tests/test_phase3.py
+#                tests/hidden/test_phase3_hidden.py" bash scripts/mutation.sh
+#              MUTMUT_TIMEOUT_MULTIPLIER (mutmut's timeout_multiplier; mutmut's default 15).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,6 +41,9 @@ stage="$root/build/mutation"
 cd "$root"
 
 export VKV_HYPOTHESIS_SHRINK="${VKV_HYPOTHESIS_SHRINK:-0}"
+export VKV_GRADE_SEED="${VKV_GRADE_SEED:-20261202}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export VKV_REQUIRE_PROMETHEUS="${VKV_REQUIRE_PROMETHEUS:-1}"
 max_children="${MUTMUT_MAX_CHILDREN:-2}"
 
 mutmut() {
@@ -45,13 +62,13 @@ case "${1:-}" in
         mutmut "$@"
         exit
         ;;
-    -h | --help) sed -n '2,23p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h | --help) sed -n '2,37p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "unknown argument: $1 (try --help)" >&2; exit 2 ;;
 esac
 
-modules=$(uv run --project "$root" -- python -c '
+modules="${MUTATION_MODULES:-$(uv run --project "$root" -- python -c '
 import tomllib
-print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["mutmut"]["only_mutate"]))')
+print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["mutmut"]["only_mutate"]))')}"
 
 start=$(date +%s)
 if [[ $resume -eq 0 || ! -d "$stage" ]]; then
@@ -59,6 +76,25 @@ if [[ $resume -eq 0 || ! -d "$stage" ]]; then
     mkdir -p "$stage"
     cp -R vkv tests pyproject.toml "$stage"/
     find "$stage" -name __pycache__ -type d -prune -exec rm -rf {} +
+    # A subset (MUTATION_MODULES, MUTATION_TESTS) or another timeout: the staging copy's
+    # [tool.mutmut] says so; the repository's pyproject.toml is left as it is.
+    (cd "$stage" && uv run --project "$root" -- python - "$modules" "${MUTATION_TESTS:-}" \
+        "${MUTMUT_TIMEOUT_MULTIPLIER:-}") <<'PY'
+import re
+import sys
+from pathlib import Path
+
+modules, tests, multiplier = sys.argv[1].split(), sys.argv[2].split(), sys.argv[3]
+path = Path("pyproject.toml")
+text = path.read_text()
+text = re.sub(r"only_mutate = \[.*?\]", f"only_mutate = {modules!r}".replace("'", '"'), text, flags=re.S)
+if tests:
+    selection = f"pytest_add_cli_args_test_selection = {tests!r}".replace("'", '"')
+    text = re.sub(r"pytest_add_cli_args_test_selection = \[.*?\]", selection, text, flags=re.S)
+if multiplier:
+    text = text.replace("[tool.mutmut]\n", f"[tool.mutmut]\ntimeout_multiplier = {float(multiplier)}\n", 1)
+path.write_text(text)
+PY
     # shellcheck disable=SC2086  # one word per module
     (cd "$stage" && uv run --project "$root" -- python - $modules) <<'PY'
 """Move each class's @property decorators to the end of its module: `Class.name = property(Class.name)`."""

@@ -1046,6 +1046,59 @@ def test_part7_rows_kept_for_a_block_that_is_no_longer_swapped_are_dropped():
     )
 
 
+def test_part7_a_block_swapped_in_without_rows_takes_no_slot():
+    residual = key_residual()
+    residual._swapped[1] = torch.full_like(residual.keys[:, 0], 1.0)  # CPU block 1's rows
+    try:
+        residual.apply({}, {0: 5, 1: 6}, [], partial_gpu={6}, partial_cpu=set())
+    except KeyError as error:
+        raise AssertionError(
+            "a sequence swapped in brings back its filled blocks too (CPU block 0, no residual "
+            "rows: a filled block swapped out takes none) and its partial block (CPU block 1): "
+            f"a block without rows just takes no slot, got KeyError {error}"
+        ) from None
+    assert residual.gpu_blocks == {6} and rows_of(residual, 6) == 1.0, (
+        "only the partial block (GPU 6) gets its rows back; GPU blocks holding a slot: "
+        f"{sorted(residual.gpu_blocks)}"
+    )
+
+
+def test_part7_a_swap_in_target_still_holding_a_slot_gives_it_back_first():
+    residual = holding(key_residual(slots=1), {5: 9.0})  # a stale slot: its owner freed block 5
+    residual._swapped[0] = torch.full_like(residual.keys[:, 0], 7.0)  # CPU block 0's rows
+    try:
+        residual.apply({}, {0: 5}, [], partial_gpu={5}, partial_cpu=set())
+    except NotImplementedError:
+        raise
+    except RuntimeError as error:
+        raise AssertionError(
+            "GPU block 5 still holds the one slot (its former owner freed it partial) and now "
+            "takes the rows swapped in: a target that still holds a slot gives it back first, "
+            f"else that slot is lost; got RuntimeError: {error}"
+        ) from None
+    assert residual.gpu_blocks == {5} and residual.num_used == 1 and rows_of(residual, 5) == 7.0, (
+        "block 5 holds one slot, with the rows swapped in (7.0), not its stale ones (9.0); got "
+        f"blocks {sorted(residual.gpu_blocks)}"
+    )
+
+
+def test_part7_a_copys_target_still_holding_a_slot_gives_it_back_first():
+    residual = holding(key_residual(slots=2), {2: 2.0, 3: 9.0})  # 3: a stale slot
+    try:
+        residual.apply({}, {}, [(2, 3)], partial_gpu={2, 3}, partial_cpu=set())
+    except NotImplementedError:
+        raise
+    except RuntimeError as error:
+        raise AssertionError(
+            "both slots are held (source 2 and a stale one of target 3): a copy's target that "
+            "still holds a slot gives it back before it takes one for the copy, else that slot "
+            f"is lost; got RuntimeError: {error}"
+        ) from None
+    assert residual.gpu_blocks == {2, 3} and rows_of(residual, 3) == 2.0, (
+        "block 3 holds a slot with a copy of block 2's rows (2.0), not its stale ones (9.0)"
+    )
+
+
 class StoredTokens:
     """What ``partial_blocks`` reads of a ``Sequence`` (its contract names no other field): the
     block table and how many of its tokens are stored. Phase 3 does not need Phase 1's code."""

@@ -10,6 +10,7 @@ released reference) and your tree, and their state machine keeps an independent 
 prefix each slot of the pool holds.
 """
 
+import re
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -1937,6 +1938,41 @@ def test_part9_swap_in_makes_room_and_merges_back_at_the_next_decode():
     m.append_slot(a)
     assert a.block_table[:2] == cached, "its next decode puts it back on the tree's blocks"
     check_prefix_cache(m, [a])
+
+
+@pytest.mark.parametrize("where", ["no blocks", "its blocks on the cpu"])
+def test_part9_a_decode_of_a_sequence_not_on_the_gpu_is_refused(where):
+    m = new_manager()
+    a = Sequence(0, prompt(9), BS)
+    if where != "no blocks":
+        a = prefilled(allocated(m, 0, prompt(9)))
+        m.append_slot(a)
+        m.swap_out([a])
+    before, table = manager_snapshot(m), list(a.block_table)
+    expected = f"sequence 0 has {where}; this operation needs its blocks on the gpu"
+    try:
+        result = m.append_slot(a)
+    except ValueError as error:
+        assert re.search(rf"\b{re.escape(expected)}\b", str(error)), (
+            f"append_slot of a sequence with {where} is Phase 1's error; expected the message "
+            f"{expected!r}, got {str(error)!r}"
+        )
+    except NotImplementedError:
+        raise
+    except Exception as error:
+        raise AssertionError(
+            f"append_slot of a sequence with {where} must raise Phase 1's ValueError "
+            f"({expected!r}) before it looks at any block; got {type(error).__name__}: {error}"
+        ) from None
+    else:
+        raise AssertionError(
+            f"append_slot of a sequence with {where} must raise ValueError ({expected!r}), as "
+            f"Phase 1's does: a decode needs the sequence's blocks on the GPU; it returned "
+            f"{result!r}"
+        )
+    assert manager_snapshot(m) == before and a.block_table == table, (
+        "a refused append_slot changes nothing: blocks, counts, tree and records as before"
+    )
 
 
 def check_tree_sizes(m: PrefixCachingBlockManager) -> None:

@@ -882,12 +882,25 @@ def test_part8_the_alerts_carry_for_labels_and_annotations():
     )
 
 
+def test_part8_the_alerts_default_to_90_percent_for_5m_and_1_a_second_for_2m():
+    for function, defaults in (
+        (kv_cache_full_alert, (0.9, "5m")),
+        (preemption_storm_alert, (1.0, "2m", "1m")),
+    ):
+        got, want = built(function), built(function, *defaults)
+        assert got == want, (
+            f"{function.__name__}() is the alert vkv monitor init writes: its defaults are "
+            f"{defaults} (the signature's); expected\n{want}\ngot\n{got}"
+        )
+
+
 @pytest.mark.parametrize(
     ("call", "args", "message"),
     [
         ("kv", (1.0, "5m"), "threshold must lie between 0 and 1, got 1.0"),
         ("kv", (0, "5m"), "threshold must lie between 0 and 1, got 0"),
         ("kv", (0.9, "5"), "duration must be a Prometheus duration such as 5m, got '5'"),
+        ("kv", (0.9, "0s"), "duration must be a Prometheus duration such as 5m, got '0s'"),
         ("storm", (0.0, "2m", "1m"), "per_second must be positive, got 0.0"),
         (
             "storm",
@@ -907,7 +920,8 @@ def test_part8_a_threshold_or_duration_that_cannot_work_is_refused(call, args, m
         return
     pytest.fail(
         f"{function.__name__}{args} returned {got!r}: a usage threshold outside (0, 1) never "
-        "or always fires, a rate of 0 always fires, and a duration must be one promtool reads; "
+        "or always fires, a rate of 0 always fires, and a duration must be one is_duration "
+        "accepts (one Prometheus reads, not 0s, which would fire on a single evaluation); "
         f"expected ValueError({message!r})",
         pytrace=False,
     )
