@@ -328,11 +328,13 @@ class RadixCache:
         ### BEGIN SOLUTION part4.4
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        leaves = [
-            (node.last_access, node.node_id, node)
-            for node in self._nodes()
-            if not node.children and node.lock_ref == 0
-        ]
+        leaves, stack = [], list(self.root.children.values())  # one walk finds them
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.lock_ref == 0:
+                leaves.append((node.last_access, node.node_id, node))
         heapq.heapify(leaves)
         evicted: list[int] = []
         while len(evicted) < num_blocks and leaves:
