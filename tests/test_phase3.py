@@ -1187,48 +1187,49 @@ CASES_8 = [(8, KV_HEADS, 2), (8, KV_HEADS, 4), (4, KV_HEADS, 4), (8, 1, 2), (4, 
 IDS_8 = ["int8", "int8-gqa", "int4-gqa", "int8-token-group", "int4-token-group-gqa"]
 
 
+def assert_decodes_as_dense(got, query, keys, values, tables, lengths, what: str) -> None:
+    """Each sequence's row of a decode at scale 0.5 against dense attention over
+    ``keys(cache_table, length)`` and ``values(...)``; ``what`` names it, formatted with the
+    sequence's ``i``, ``table`` and ``length``."""
+    for i, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+        expected = dense_attention(
+            query[i : i + 1], keys(table, length), values(table, length), [length - 1], 0.5
+        )[0]
+        assert_attention_close(got[i], expected, what.format(i=i, table=table, length=length))
+
+
 @pytest.mark.parametrize(("bits", "groups", "num_heads"), CASES_8, ids=IDS_8)
 def test_part8_triton_decode_reads_the_quantized_cache_as_dense_attention_does(
     bits, groups, num_heads
 ):
     k_cache, v_cache = random_cache(bits, 80, groups), random_cache(bits, 81, groups)
     query = torch.randn(4, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(82))
-    got = triton_decode(query, k_cache, v_cache, TABLES, LENGTHS, 0.5)
-    for i, (table, length) in enumerate(zip(TABLES, LENGTHS, strict=True)):
-        expected = dense_attention(
-            query[i : i + 1],
-            dense_values(k_cache, table, length),
-            dense_values(v_cache, table, length),
-            [length - 1],
-            0.5,
-        )[0]
-        assert_attention_close(
-            got[i],
-            expected,
-            f"Triton decode, INT{bits}, {groups} scale group(s) a token, sequence {i} (table "
-            f"{table}, {length} tokens): load_dequantized must return codes * scale + zero",
-        )
+    assert_decodes_as_dense(
+        triton_decode(query, k_cache, v_cache, TABLES, LENGTHS, 0.5),
+        query,
+        lambda table, length: dense_values(k_cache, table, length),
+        lambda table, length: dense_values(v_cache, table, length),
+        TABLES,
+        LENGTHS,
+        f"Triton decode, INT{bits}, {groups} scale group(s) a token, sequence {{i}} (table "
+        "{table}, {length} tokens): load_dequantized must return codes * scale + zero",
+    )
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_part8_triton_decode_reads_keys_with_a_scale_per_channel(bits):
     k_cache, v_cache = per_channel_keys(bits, 83), random_cache(bits, 84)
     query = torch.randn(4, 4, HEAD_DIM, generator=torch.Generator().manual_seed(85))
-    got = triton_decode(query, k_cache, v_cache, TABLES, LENGTHS, 0.5)
-    for i, (table, length) in enumerate(zip(TABLES, LENGTHS, strict=True)):
-        expected = dense_attention(
-            query[i : i + 1],
-            per_channel_values(k_cache, table, length),
-            dense_values(v_cache, table, length),
-            [length - 1],
-            0.5,
-        )[0]
-        assert_attention_close(
-            got[i],
-            expected,
-            f"Triton decode, INT{bits} keys per channel, sequence {i}: with PER_CHANNEL a key's "
-            "channel i has its own scale and zero at scales_at + i",
-        )
+    assert_decodes_as_dense(
+        triton_decode(query, k_cache, v_cache, TABLES, LENGTHS, 0.5),
+        query,
+        lambda table, length: per_channel_values(k_cache, table, length),
+        lambda table, length: dense_values(v_cache, table, length),
+        TABLES,
+        LENGTHS,
+        f"Triton decode, INT{bits} keys per channel, sequence {{i}}: with PER_CHANNEL a key's "
+        "channel i has its own scale and zero at scales_at + i",
+    )
 
 
 def test_part8_triton_decode_reads_nothing_past_a_context():
@@ -1238,22 +1239,17 @@ def test_part8_triton_decode_reads_nothing_past_a_context():
         cache.scale[4, 2:], cache.zero[4, 2:] = float("nan"), float("inf")
     tables, lengths = [[3, 4], [2, 1]], [6, 8]
     query = torch.randn(2, 2, HEAD_DIM, generator=torch.Generator().manual_seed(88))
-    got = triton_decode(query, k_cache, v_cache, tables, lengths, 0.5)
-    for i in range(2):
-        expected = dense_attention(
-            query[i : i + 1],
-            dense_values(k_cache, tables[i], lengths[i]),
-            dense_values(v_cache, tables[i], lengths[i]),
-            [lengths[i] - 1],
-            0.5,
-        )[0]
-        assert_attention_close(
-            got[i],
-            expected,
-            f"sequence {i}: a tile's lanes past the context (the kernel points them at block 0, "
-            "here full of NaN, and at the last block's unused slots) must be 0.0 and read "
-            "nothing: load every plane with the mask, other=0",
-        )
+    assert_decodes_as_dense(
+        triton_decode(query, k_cache, v_cache, tables, lengths, 0.5),
+        query,
+        lambda table, length: dense_values(k_cache, table, length),
+        lambda table, length: dense_values(v_cache, table, length),
+        tables,
+        lengths,
+        "sequence {i}: a tile's lanes past the context (the kernel points them at block 0, "
+        "here full of NaN, and at the last block's unused slots) must be 0.0 and read "
+        "nothing: load every plane with the mask, other=0",
+    )
 
 
 @pytest.mark.parametrize(("bits", "num_heads"), [(8, 2), (4, 4)], ids=["int8", "int4-gqa"])

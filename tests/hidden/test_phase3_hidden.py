@@ -645,9 +645,10 @@ def oracle_rows(q, k_cache, v_cache, table, positions, scale):
     return out
 
 
-@seeded
-def test_part6_decode_equals_dense_attention_on_drawn_tables(rng):
-    for _ in range(3):
+def assert_decode_equals_dense(rng, decode, rounds: int, what: str) -> None:
+    """``decode`` (``quantized_decode_attention``'s signature) on ``rounds`` drawn layouts,
+    tables and GQA groups, sequence by sequence against ``oracle_rows``."""
+    for _ in range(rounds):
         layout = draw_layout(rng)
         group = rng.choice([1, 2, 3])
         batch = rng.randint(1, 4)
@@ -656,7 +657,7 @@ def test_part6_decode_equals_dense_attention_on_drawn_tables(rng):
         k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
         query = torch.randn(batch, layout["heads"] * group, layout["dim"], generator=g)
         scale = rng.uniform(0.1, 1.0)
-        got = quantized_decode_attention(
+        got = decode(
             query, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
             torch.tensor(lengths), scale,
         )  # fmt: skip
@@ -666,15 +667,16 @@ def test_part6_decode_equals_dense_attention_on_drawn_tables(rng):
             )
             diff = float((got[i].double() - expected[0]).abs().max())
             assert diff < 1e-4, (
-                f"sequence {i} (table {tables[i]}, {lengths[i]} tokens, block size "
+                f"{what}, sequence {i} (table {tables[i]}, {lengths[i]} tokens, block size "
                 f"{layout['block_size']}, {group} query heads per KV head): decode must equal "
-                f"attention over the dequantized context; off by {diff:.3g}"
+                f"attention over the dequantized context; off by {diff:.3g} ({layout})"
             )
 
 
-@seeded
-def test_part6_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
-    for _ in range(3):
+def assert_prefill_equals_dense(rng, prefill, rounds: int, what: str) -> None:
+    """``prefill`` (``quantized_prefill_attention``'s signature) on ``rounds`` drawn layouts and
+    chunks, sequence by sequence against ``oracle_rows`` at the new tokens' positions."""
+    for _ in range(rounds):
         layout = draw_layout(rng)
         group = rng.choice([1, 2])
         batch = rng.randint(1, 3)
@@ -687,7 +689,7 @@ def test_part6_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
         k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
         query = torch.randn(cu[-1], layout["heads"] * group, layout["dim"], generator=g)
         scale = rng.uniform(0.1, 1.0)
-        got = quantized_prefill_attention(
+        got = prefill(
             query, k_cache, v_cache, torch.tensor(cu), torch.tensor(tables, dtype=torch.int32),
             torch.tensor(lengths), scale,
         )  # fmt: skip
@@ -697,10 +699,20 @@ def test_part6_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
             expected = oracle_rows(query[rows], k_cache, v_cache, tables[i], positions, scale)
             diff = float((got[rows].double() - expected).abs().max())
             assert diff < 1e-4, (
-                f"sequence {i}: its {new[i]} new tokens at positions {positions[0]}.."
+                f"{what}, sequence {i}: its {new[i]} new tokens at positions {positions[0]}.."
                 f"{positions[-1]} of {lengths[i]} attend causally to the dequantized context; "
-                f"off by {diff:.3g} (table {tables[i]}, block size {layout['block_size']})"
+                f"off by {diff:.3g} (table {tables[i]}, {layout})"
             )
+
+
+@seeded
+def test_part6_decode_equals_dense_attention_on_drawn_tables(rng):
+    assert_decode_equals_dense(rng, quantized_decode_attention, 3, "quantized_decode_attention")
+
+
+@seeded
+def test_part6_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
+    assert_prefill_equals_dense(rng, quantized_prefill_attention, 3, "quantized_prefill_attention")
 
 
 @seeded
@@ -909,65 +921,32 @@ def to_device(cache: QuantizedCache) -> QuantizedCache:
     )
 
 
+def on_device(*args):
+    """Tensors and caches moved to ``DEVICE``; other arguments as they are."""
+    return [
+        arg.to(DEVICE) if isinstance(arg, torch.Tensor)
+        else to_device(arg) if isinstance(arg, QuantizedCache)
+        else arg
+        for arg in args
+    ]  # fmt: skip
+
+
+def triton_decode(*args):
+    return launched(triton_attention.paged_decode_attention, *on_device(*args)).cpu()
+
+
+def triton_prefill(*args):
+    return launched(triton_attention.paged_prefill_attention, *on_device(*args)).cpu()
+
+
 @seeded
 def test_part8_triton_decode_equals_dense_attention_on_drawn_tables(rng):
-    for _ in range(2):
-        layout = draw_layout(rng)
-        group = rng.choice([1, 2, 3])
-        batch = rng.randint(1, 3)
-        tables, lengths = draw_tables(rng, layout, batch)
-        g = generator(rng)
-        k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
-        query = torch.randn(batch, layout["heads"] * group, layout["dim"], generator=g)
-        scale = rng.uniform(0.1, 1.0)
-        got = launched(
-            triton_attention.paged_decode_attention,
-            query.to(DEVICE), to_device(k_cache), to_device(v_cache),
-            torch.tensor(tables, dtype=torch.int32, device=DEVICE),
-            torch.tensor(lengths, dtype=torch.int32, device=DEVICE), scale,
-        ).cpu()  # fmt: skip
-        for i in range(batch):
-            expected = oracle_rows(
-                query[i : i + 1], k_cache, v_cache, tables[i], [lengths[i] - 1], scale
-            )
-            diff = float((got[i].double() - expected[0]).abs().max())
-            assert diff < 1e-4, (
-                f"Triton decode, sequence {i} (table {tables[i]}, {lengths[i]} tokens, {layout}):"
-                f" load_dequantized must give codes * scale + zero; off by {diff:.3g}"
-            )
+    assert_decode_equals_dense(rng, triton_decode, 2, "Triton decode with load_dequantized")
 
 
 @seeded
 def test_part8_triton_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
-    for _ in range(2):
-        layout = draw_layout(rng)
-        group = rng.choice([1, 2])
-        batch = rng.randint(1, 3)
-        tables, lengths = draw_tables(rng, layout, batch)
-        new = [rng.randint(1, length) for length in lengths]
-        cu = [0]
-        for n in new:
-            cu.append(cu[-1] + n)
-        g = generator(rng)
-        k_cache, v_cache = new_cache(layout, g), new_cache(layout, g)
-        query = torch.randn(cu[-1], layout["heads"] * group, layout["dim"], generator=g)
-        scale = rng.uniform(0.1, 1.0)
-        got = launched(
-            triton_attention.paged_prefill_attention,
-            query.to(DEVICE), to_device(k_cache), to_device(v_cache),
-            torch.tensor(cu, dtype=torch.int32, device=DEVICE),
-            torch.tensor(tables, dtype=torch.int32, device=DEVICE),
-            torch.tensor(lengths, dtype=torch.int32, device=DEVICE), scale,
-        ).cpu()  # fmt: skip
-        for i in range(batch):
-            positions = list(range(lengths[i] - new[i], lengths[i]))
-            rows = slice(cu[i], cu[i + 1])
-            expected = oracle_rows(query[rows], k_cache, v_cache, tables[i], positions, scale)
-            diff = float((got[rows].double() - expected).abs().max())
-            assert diff < 1e-4, (
-                f"Triton prefill, sequence {i}: new tokens at {positions[0]}..{positions[-1]} "
-                f"of {lengths[i]}; off by {diff:.3g} ({layout})"
-            )
+    assert_prefill_equals_dense(rng, triton_prefill, 2, "Triton prefill with load_dequantized")
 
 
 @triton.jit
