@@ -167,18 +167,20 @@ class RadixCache:
         parent.children[hashes[0]] = node
         return node
 
-    def _block(self, token_ids: Sequence[int], index: int) -> list[int]:
-        """Tokens of block ``index`` of ``token_ids``."""
-        return list(token_ids[index * self.block_size : (index + 1) * self.block_size])
+    def _tokens(self, token_ids: Sequence[int], first: int, num_blocks: int) -> list[int]:
+        """Tokens of ``num_blocks`` blocks of ``token_ids`` from block ``first``, as a list (given:
+        the slice of a list is one already, and is not copied a second time)."""
+        size = self.block_size
+        run = token_ids[first * size : (first + num_blocks) * size]
+        return run if isinstance(run, list) else list(run)
 
     def _child(
         self, node: TreeNode, token_ids: Sequence[int], block_hashes: Sequence[int], index: int
     ) -> TreeNode | None:
         """The child of ``node`` whose edge starts with block ``index`` of ``token_ids``, found
         by that block's hash and tokens compared (a hash collision is a miss); given."""
-        block = self._block(token_ids, index)
         child = node.children.get(block_hashes[index])
-        if child is None or child.key[: self.block_size] != block:
+        if child is None or child.key[: self.block_size] != self._tokens(token_ids, index, 1):
             return None
         return child
 
@@ -187,8 +189,8 @@ class RadixCache:
         of ``token_ids``, at most ``limit`` (given). Most runs match whole: one comparison of
         the whole run first, block by block only when it differs."""
         size, count = self.block_size, min(limit, len(node.blocks))
-        theirs = list(token_ids[start * size : (start + count) * size])
-        if node.key[: count * size] == theirs:
+        theirs = self._tokens(token_ids, start, count)
+        if (node.key if count == len(node.blocks) else node.key[: count * size]) == theirs:
             return count
         shared = 0
         while (
