@@ -79,4 +79,5 @@ class LLM:
             first = done[request_id, 0]
             outputs = [done.get((request_id, index), first) for index in range(n)]
             results.append({**first, "outputs": outputs})
+            self.engine.forget(request_id)
         return results

@@ -132,8 +132,9 @@ class AsyncEngine:
         return await asyncio.wrap_future(done), queue
 
     def release(self, request_id: int) -> None:
-        """Stop delivering a request's outputs, and abort what of it is unfinished (its client
-        left, or a stop string ended it)."""
+        """Stop delivering a request's outputs, abort what of it is unfinished (its client
+        left) and make the engine forget it (``LLMEngine.forget``): called once a request is
+        answered or abandoned, so the engine holds only the requests in flight."""
         self._post(("release", request_id))
 
     def stop(self) -> None:
@@ -174,6 +175,7 @@ class AsyncEngine:
                 self.queues.pop(args[0], None)
                 if any(not s.is_finished for s in self.engine.samples(args[0])):
                     self.engine.abort(args[0])
+                self.engine.forget(args[0])
 
 
 @dataclass(slots=True)

@@ -68,6 +68,34 @@ def test_streaming_outputs_add_up_to_the_text(checkpoint):
     assert set(engine.stats) >= {"running", "waiting", "swapped", "gpu_kv_usage", "preemptions"}
 
 
+def test_a_finished_request_is_kept_until_forgotten_and_generate_forgets_its_own(checkpoint):
+    folder, _, _ = checkpoint
+    llm = LLM(folder, block_size=4, kv_cache_bytes=1 << 20)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, n=2, seed=1)
+    running = engine.add_request("def", SamplingParams(max_tokens=50, ignore_eos=True))
+    done = engine.add_request("return", params)
+    while not all(s.is_finished for s in engine.samples(done)):
+        engine.step()
+    assert engine.num_held_requests == 2
+    assert engine.sequence(done).num_completion_tokens == 4, "finished, and still answered for"
+    with pytest.raises(ValueError, match="unfinished"):
+        engine.forget(running)
+    engine.forget(done)
+    assert engine.num_held_requests == 1
+    with pytest.raises(KeyError):
+        engine.sequence(done)
+    with pytest.raises(ValueError, match="no request"):
+        engine.forget(done)
+    engine.abort(running)
+    engine.forget(running)
+    assert engine.num_held_requests == 0
+    outputs = llm.generate(["def", "return"], params, use_progress=False)
+    assert [len(o["outputs"]) for o in outputs] == [2, 2]
+    assert engine.num_held_requests == 0, "generate forgets the requests it answered"
+    assert not (engine._requests or engine._streamed or engine._logprobs or engine._sample_of)
+
+
 def test_bad_input_is_rejected_and_leaves_other_requests_alone(checkpoint):
     folder, _, _ = checkpoint
     engine = LLMEngine(folder, block_size=4, kv_cache_bytes=1 << 20, max_model_len=32)

@@ -40,7 +40,7 @@ def value(engine, name: str, **labels) -> float:
 def test_token_and_request_counters_equal_what_the_client_got(served):
     engine, results = served
     outputs = [o for result in results for o in result["outputs"]]
-    prompt_tokens = sum(len(engine.sequence(i).prompt_token_ids) for i in range(len(PROMPTS)))
+    prompt_tokens = sum(len(engine.tokenizer.encode(prompt).ids) for prompt in PROMPTS)
     assert value(engine, "prompt_tokens_total") == prompt_tokens
     assert value(engine, "generation_tokens_total") == sum(len(o["token_ids"]) for o in outputs)
     reasons = Counter(o["finish_reason"] for o in outputs)

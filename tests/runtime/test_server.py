@@ -285,6 +285,16 @@ def test_clients_that_leave_mid_stream_hold_no_blocks(server):
     assert engine.stats["running"] == 0 and engine.stats["gpu_kv_usage"] == 0
     aborted = engine.metrics.value("request_success_total", finished_reason="abort")
     assert aborted - aborted_before == 8, "each request whose client left was aborted"
+    assert forgotten(engine), "the engine keeps no record of requests answered or abandoned"
+
+
+def forgotten(engine: LLMEngine, timeout: float = 10.0) -> bool:
+    """Whether the engine holds no request within ``timeout`` (a release reaches its thread as
+    a command)."""
+    deadline = time.monotonic() + timeout
+    while engine.num_held_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine.num_held_requests == 0
 
 
 def test_chat_uses_the_checkpoints_template_when_it_has_one(tmp_path):

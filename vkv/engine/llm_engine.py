@@ -342,6 +342,35 @@ class LLMEngine:
         once the prompt is computed)."""
         return list(self._samples[request_id])
 
+    def forget(self, request_id: int) -> None:
+        """Drop what the engine keeps of a finished request: its samples' sequences, text,
+        logprobs and errors. Until then ``sequence`` and ``samples`` answer for it, finished or
+        not; a long-running caller (``vkv serve``, ``LLM.generate``) forgets each request once
+        its outputs are delivered, so that the engine holds only the requests in flight
+        (``num_held_requests``). ``ValueError`` for an unknown request or one with an
+        unfinished sample (abort it first)."""
+        samples = self._samples.get(request_id)
+        if samples is None:
+            raise ValueError(f"forget: no request has id {request_id}")
+        if not all(seq.is_finished for seq in samples):
+            raise ValueError(f"forget: request {request_id} has unfinished samples; abort it first")
+        del self._samples[request_id]
+        for seq in samples:
+            for records in (
+                self._requests,
+                self._sample_of,
+                self._streamed,
+                self._errors,
+                self._logprobs,
+            ):
+                records.pop(seq.seq_id, None)
+
+    @property
+    def num_held_requests(self) -> int:
+        """Requests the engine keeps records of: those in flight, and finished ones until
+        ``forget``."""
+        return len(self._samples)
+
     def abort(self, request_id: int) -> None:
         """Abort every unfinished sample of a request (its blocks freed; ``stats`` and the
         gauges refreshed at once); ``ValueError`` if it has none."""
