@@ -10,9 +10,11 @@ step), the watermark 0 and chunked prefill off, as in nano-vLLM. Timed: ``schedu
 vkv runs twice, with prefix caching off and on. With ``--vs-nano-vllm PATH`` (a nano-vLLM
 checkout: ``git clone https://github.com/GeeeekExplorer/nano-vllm PATH``; nothing of it is
 copied here) nano-vLLM's own ``Scheduler``, ``BlockManager`` and ``Sequence`` run the same trace
-in this process, interleaved with vkv's runs round by round; the table gives each side's median
-loop time, the steps and preemptions of each (equal numbers: the same schedule) and the ratio
-vkv / nano-vLLM; a second table splits each side's time between ``schedule`` and
+in this process, interleaved with vkv's runs round by round (each round starts from the next
+side, so none always runs first); the table gives each side's median loop time, the steps and
+preemptions of each (equal numbers: the same schedule) and the ratio vkv / nano-vLLM: the median
+of the rounds' own ratios, each of runs seconds apart, so that a change in the machine's load
+between rounds cancels out; a second table splits each side's time between ``schedule`` and
 ``postprocess``. nano-vLLM always caches prefixes (it hashes every full block); its modules
 import ``xxhash``, ``numpy`` and ``transformers``, all in this project's dev environment.
 
@@ -203,9 +205,10 @@ def main() -> None:
         sides["nano-vLLM"] = lambda bs, pool: nano.run_once(bs, pool, requests)
     runs: dict[tuple[str, str], list[dict]] = {}
     console = Console(width=140)
+    order = list(sides.items())
     for round_ in range(args.rounds):
         for name, block_size, pool in CONFIGS:
-            for side, run in sides.items():
+            for side, run in order[round_ % len(order) :] + order[: round_ % len(order)]:
                 runs.setdefault((name, side), []).append(run(block_size, pool))
         console.print(f"round {round_ + 1} of {args.rounds} done")
     summary = _summarize(runs, sides)
@@ -232,12 +235,19 @@ def _summarize(runs: dict[tuple[str, str], list[dict]], sides: dict) -> dict:
                 "preemptions": sorted({r["preemptions"] for r in results}),
                 "us_per_seq_step": statistics.median(r["us_per_seq_step"] for r in results),
             }
+        if "nano-vLLM" in sides:
+            base = [r["seconds"] for r in runs[(name, "nano-vLLM")]]
+            for side in sides:
+                mine = [r["seconds"] for r in runs[(name, side)]]
+                ratios = [a / b for a, b in zip(mine, base, strict=True)]
+                row[side]["ratio"] = statistics.median(ratios)
     return summary
 
 
 def _table(summary: dict, sides: list[str], title: str) -> Table:
     """One row per configuration: the schedule (steps / preemptions; every side's if they
-    differ), each side's median loop time, and each vkv side's ratio to nano-vLLM's."""
+    differ), each side's median loop time, and each vkv side's ratio to nano-vLLM's (the
+    median of the rounds' ratios)."""
     nano = "nano-vLLM" in sides
     table = Table(title=title)
     table.add_column("configuration")
@@ -260,8 +270,7 @@ def _table(summary: dict, sides: list[str], title: str) -> Table:
         ]
         cells += [f"{row[side]['median_s'] * 1e3:.0f}" for side in sides]
         if nano:
-            base = row["nano-vLLM"]["median_s"]
-            cells += [f"{row[side]['median_s'] / base:.2f}x" for side in sides[:2]]
+            cells += [f"{row[side]['ratio']:.2f}x" for side in sides[:2]]
         table.add_row(*cells)
     return table
 
