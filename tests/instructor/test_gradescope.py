@@ -7,10 +7,9 @@ mount namespace binds ``<tmp>/autograder`` at ``/autograder`` (and the rest of t
 its own paths), so the package's absolute paths are Gradescope's; ``run_autograder`` then runs
 there with ``/autograder`` as its working directory. ``setup.sh`` is not run (it installs from
 the network): the ``uv`` of this environment is put on ``PATH`` instead, and its last step,
-``uv sync --frozen``, is done by the fixture, offline from uv's cache, into a virtual
-environment named by uv's own ``UV_PROJECT_ENVIRONMENT`` and made outside the namespace (the
-namespace's bind mounts are separate mounts, across which uv cannot hardlink from its cache:
-it would copy 5.5 GB). Each submission is placed in
+``uv sync --frozen`` in ``source/edition``, is done by the fixture, offline from uv's cache and
+outside the namespace (whose bind mounts are separate mounts, across which uv cannot hardlink
+from its cache: it would copy 5.5 GB). Each submission is placed in
 ``/autograder/submission``; the results are read from ``/autograder/results/results.json`` and
 checked against Gradescope's documented fields (``gradescope_schema.json``).
 
@@ -78,7 +77,6 @@ def autograder(tmp_path_factory) -> Path:
     unpack(archive, layout / "source")
     shutil.copy2(layout / "source/run_autograder", layout / "run_autograder")
     environment = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-    environment["UV_PROJECT_ENVIRONMENT"] = str(layout.parent / "venv")
     sync = [uv, "sync", "--frozen", "--offline", "--quiet"]
     subprocess.run(sync, cwd=layout / "source/edition", env=environment, check=True)
     return layout
@@ -108,7 +106,6 @@ def run_autograder(layout: Path, submission: Path) -> dict:
         "PATH": f"{uv.parent}:/usr/local/bin:/usr/bin:/bin",
         "HOME": os.environ.get("HOME", "/root"),
         "LANG": "C.UTF-8",
-        "UV_PROJECT_ENVIRONMENT": str(layout.parent / "venv"),
     }
     done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, f"run_autograder failed:\n{done.stdout[-3000:]}{done.stderr}"
@@ -150,6 +147,12 @@ def test_the_zip_has_setup_and_run_autograder_at_its_root_and_refuses_an_existin
     assert "apt-get install" in setup and "bubblewrap" in setup and "uv sync --frozen" in setup
     with pytest.raises(FileExistsError):
         package(ROOT, archive)
+
+
+def test_the_command_refuses_an_unknown_part(tmp_path, capsys):
+    archive = tmp_path / "autograder.zip"
+    assert main(["assignment", "gradescope", str(archive), "--parts", "9.9"]) == 2
+    assert "9.9" in capsys.readouterr().err and not archive.exists()
 
 
 def test_the_stub_edition_scores_zero(autograder, edition, bwrap):
