@@ -16,7 +16,9 @@ checked against Gradescope's documented fields (``gradescope_schema.json``).
 Three submissions: the stub edition (0), the edition with the reference's parts 1.1 and 1.2
 (full marks, equal to ``grade``'s total on the same trees), and an attack on part 1.1 (its
 region writes a forged results.json; it also edits the visible tests and adds a conftest that
-forges the results), which scores 0 for part 1.1 while part 1.2 keeps its points. Needs
+forges the results), which scores 0 for part 1.1 while part 1.2 keeps its points. The stub
+edition is graded once more where the grader's bwrap cannot run: the results then begin by
+saying that they are a progress check. Needs
 bubblewrap (skipped without it, unless ``VKV_REQUIRE_SANDBOX=1``) and root, as on Gradescope.
 About a minute on 2 busy cores.
 """
@@ -82,9 +84,11 @@ def autograder(tmp_path_factory) -> Path:
     return layout
 
 
-def run_autograder(layout: Path, submission: Path) -> dict:
+def run_autograder(layout: Path, submission: Path, sandbox_works: bool = True) -> dict:
     """Place ``submission`` in ``/autograder/submission``, run ``/autograder/run_autograder``
-    there, and return the results it wrote."""
+    there, and return the results it wrote. With ``sandbox_works=False`` the namespace mounts a
+    fresh proc, which bwrap covers in part, and the kernel then refuses the grader's own bwrap
+    its proc mount: the grader's probe fails, as in a container that forbids user namespaces."""
     for folder in ("submission", "results"):
         shutil.rmtree(layout / folder, ignore_errors=True)
     copy_clean(submission, layout / "submission")
@@ -93,8 +97,9 @@ def run_autograder(layout: Path, submission: Path) -> dict:
     # /proc is bound, not mounted anew: the grader's own bwrap inside mounts a proc of its
     # own, which the kernel allows only where the proc above it is fully visible
     command = ["bwrap", "--die-with-parent", "--dev", "/dev"]
+    command += ["--bind", "/proc", "/proc"] if sandbox_works else ["--proc", "/proc"]
     for entry in sorted(Path("/").iterdir()):
-        if entry.name in ("dev", "autograder"):
+        if entry.name in ("proc", "dev", "autograder"):
             continue
         if entry.is_symlink():
             command += ["--symlink", os.readlink(entry), str(entry)]
@@ -114,9 +119,9 @@ def run_autograder(layout: Path, submission: Path) -> dict:
     return results
 
 
-def check_fields(results: dict) -> None:
+def check_fields(results: dict, sandboxed: bool = True) -> None:
     """What the package promises beyond the schema: every field the README names, present with
-    its type, and a total equal to the tests' sum."""
+    its type, a total equal to the tests' sum, and the output saying how the grade ran."""
     assert isinstance(results["score"], int | float)
     assert isinstance(results["execution_time"], int | float) and results["execution_time"] >= 0
     assert isinstance(results["output"], str)
@@ -128,7 +133,11 @@ def check_fields(results: dict) -> None:
         assert test["status"] == ("passed" if test["score"] == test["max_score"] else "failed")
     assert sum(t["max_score"] for t in results["tests"]) == pytest.approx(POINTS, abs=0.02)
     assert sum(t["score"] for t in results["tests"]) == pytest.approx(results["score"], abs=0.02)
-    assert "graded in a bubblewrap sandbox" in results["output"], results["output"]
+    if sandboxed:
+        assert "graded in a bubblewrap sandbox" in results["output"], results["output"]
+    else:
+        first = results["output"].splitlines()[0]
+        assert first.startswith("A progress check, not a grade") and "without a sandbox" in first
 
 
 def test_the_zip_has_setup_and_run_autograder_at_its_root_and_refuses_an_existing_file(tmp_path):
@@ -159,6 +168,14 @@ def test_the_stub_edition_scores_zero(autograder, edition, bwrap):
     results = run_autograder(autograder, edition)
     check_fields(results)
     assert results["score"] == 0 and all(t["score"] == 0 for t in results["tests"])
+
+
+def test_without_a_working_sandbox_the_results_say_they_are_a_progress_check(
+    autograder, edition, bwrap
+):
+    results = run_autograder(autograder, edition, sandbox_works=False)
+    check_fields(results, sandboxed=False)
+    assert results["score"] == 0
 
 
 def test_the_reference_scores_full_marks_as_vkv_grade_does(autograder, edition, tmp_path, bwrap):
