@@ -26,7 +26,8 @@ The package holds, under ``/autograder/source``:
   files are overlaid on. It is never the submission's, so a submission cannot bring its own
   tests, grader, configuration or lock file;
 - ``hidden/``: this repository's hidden tests (``tests/hidden``), which the edition leaves out;
-- ``setup.sh``: run once, as root, when Gradescope builds the image: installs bubblewrap (the
+- ``setup.sh``: run once when Gradescope builds the image (as root, as Gradescope runs its
+  autograders: saligrama.io/blog/gradescope-autograder-security): installs bubblewrap (the
   grader's sandbox), Debian's ``prometheus`` (``promtool``, which grades parts 5.4-5.8), a C
   compiler (the CPU decode kernel), uv (pinned, ``UV_VERSION``, by its standalone installer into
   ``/usr/local/bin``), then ``uv sync --frozen`` in ``edition/`` (Python and the locked packages);
@@ -50,7 +51,7 @@ from vkv.assignment.grade import HIDDEN_DIR
 from vkv.assignment.parts import Assignment
 from vkv.assignment.release import release, source_files
 
-UV_VERSION = "0.13.9"  # the uv setup.sh installs; the version this package was tested with
+UV_VERSION = "0.13.9"  # the uv setup.sh installs: the one that ran test_gradescope.py here
 EDITION = "edition"
 HIDDEN = "hidden"
 ZIP_DATE = (2000, 1, 1, 0, 0, 0)  # every entry's timestamp: the same tree gives the same zip
