@@ -10,6 +10,8 @@
     vkv assignment release OUT                  write the student edition into OUT
     vkv assignment solve DIR --parts 1.1,1.2    put reference code for those parts into DIR
     vkv assignment check                        prove the assignment sound (see check.py)
+    vkv assignment gradescope OUT.zip [--parts 1]
+                                                the Gradescope autograder package
 
 The ``assignment`` commands read the reference from the tree this package was installed from,
 or from ``--root``.
@@ -254,6 +256,18 @@ def _check(args: argparse.Namespace, console: Console) -> int:
     return 0 if all(finding.ok for finding in findings) else 1
 
 
+def _gradescope(args: argparse.Namespace, console: Console) -> int:
+    from vkv.assignment.gradescope import package
+
+    root = _reference_root(args)
+    parts = Assignment.load(root).expand(args.parts) if args.parts else None
+    out = Path(args.out).resolve()
+    names = package(root, out, parts)
+    graded = f"parts {', '.join(sorted(parts))}" if parts else "every part"
+    console.print(f"wrote the Gradescope autograder ({len(names)} files; grades {graded}): {out}")
+    return 0
+
+
 def _reference_root(args: argparse.Namespace) -> Path:
     """The instructor's reference tree: ``--root``, else the tree this package runs from."""
     root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parents[1]
@@ -437,7 +451,11 @@ def _parser() -> argparse.ArgumentParser:
     solve.set_defaults(run=_solve)
     check = tools.add_parser("check", help="prove the assignment sound")
     check.set_defaults(run=_check)
-    for tool in (release, solve, check):
+    gradescope = tools.add_parser("gradescope", help="write the Gradescope autograder zip")
+    gradescope.add_argument("out", help="the zip to write (a new file)")
+    gradescope.add_argument("--parts", help="grade only these parts: 1.1,1.2 or a phase: 1")
+    gradescope.set_defaults(run=_gradescope)
+    for tool in (release, solve, check, gradescope):
         tool.add_argument("--root", help="the reference tree (default: this package's tree)")
     return parser
 
