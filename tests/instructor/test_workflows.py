@@ -53,6 +53,19 @@ def test_the_grading_workflow_is_unprivileged_and_uses_only_base_code():
     assert "--trusted ." in text
 
 
+def test_the_grading_workflow_gets_the_pull_request_without_persisted_credentials():
+    """A private repository (every GitHub Classroom one) refuses an anonymous fetch: the head
+    comes through a checkout with the job's token, which is kept nowhere, never through a
+    `git fetch` in a checkout whose credentials were not persisted."""
+    text = (ROOT / "assignment/workflows/autograde.yml").read_text()
+    checkouts = re.findall(r"uses: actions/checkout@\S+.*\n((?:\s+\w[\w-]*:.*\n)+)", text)
+    with_blocks = [block for block in checkouts if "ref:" in block]
+    assert any("head.sha }}" in block for block in with_blocks), "the head is checked out"
+    assert all("persist-credentials: false" in block for block in checkouts)
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "fetch" not in code, "no fetch that would need credentials"
+
+
 def test_the_grading_workflow_requires_the_sandbox():
     text = (ROOT / "assignment/workflows/autograde.yml").read_text()
     assert "apt-get install -y -qq bubblewrap" in text
