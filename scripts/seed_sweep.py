@@ -4,7 +4,7 @@ A hidden test draws its inputs from the grade's seed (``tests/hidden/test_seed.p
 ``vkv assignment check`` runs the hidden suite about forty times, each with a fresh seed: a draw
 that fails correct code one time in a thousand fails CI now and then. This script finds such
 draws before CI does. It calls each ``@seeded`` test's undecorated function with the stream of
-seed 0, 1, 2, ... (as ``rng_for`` makes it), a fresh ``tmp_path`` and ``monkeypatch`` each time,
+seed 0, 1, 2, ... (``rng_for(name, seed)``), a fresh ``tmp_path`` and ``monkeypatch`` each time,
 until ``--seeds`` draws or ``--seconds`` per test, and prints each test that failed with the seeds
 that make it fail (replay one with ``VKV_GRADE_SEED=<seed> uv run pytest tests/hidden -k name``).
 
@@ -17,7 +17,6 @@ give them a larger ``--seconds``.
 import argparse
 import importlib
 import inspect
-import random
 import sys
 import tempfile
 import time
@@ -29,29 +28,29 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = {"tmp_path", "monkeypatch"}
 
 
+def fixtures_of(test) -> list[str]:
+    """The fixtures a ``@seeded`` test takes after its ``rng``."""
+    return list(inspect.signature(test.__wrapped__).parameters)[1:]
+
+
 def sweep(test, seeds: int, seconds: float) -> tuple[int, list[tuple[int, str]]]:
     """Run ``test`` (a ``@seeded`` wrapper) on seeds 0, 1, ... within the limits; return how
     many ran and the failing ones with their error."""
-    inner = test.__wrapped__
-    wanted = list(inspect.signature(inner).parameters)[1:]
+    from test_seed import rng_for
+
     ran, failures, started = 0, [], time.monotonic()
     while ran < seeds and time.monotonic() - started < seconds:
-        rng = seeded_rng(ran, test.__name__)
+        rng = rng_for(test.__name__, ran)
         with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as patch:
             given = {"tmp_path": Path(folder), "monkeypatch": patch}
             try:
-                inner(rng, **{name: given[name] for name in wanted})
+                test.__wrapped__(rng, **{name: given[name] for name in fixtures_of(test)})
             except pytest.skip.Exception:
                 return ran, failures
             except Exception as failure:  # a graded test's failure, whatever its type
                 failures.append((ran, f"{type(failure).__name__}: {failure}".splitlines()[0]))
         ran += 1
     return ran, failures
-
-
-def seeded_rng(seed: int, name: str) -> random.Random:
-    """The stream ``rng_for(name)`` gives under ``VKV_GRADE_SEED=seed``."""
-    return random.Random(f"{seed}:{name}")
 
 
 def main() -> int:
@@ -68,9 +67,9 @@ def main() -> int:
         for test in tests:
             if not hasattr(test, "__wrapped__"):
                 continue
-            wanted = set(list(inspect.signature(test.__wrapped__).parameters)[1:])
-            if wanted - FIXTURES:
-                print(f"skipped {test.__name__}: it takes {sorted(wanted - FIXTURES)}")
+            others = set(fixtures_of(test)) - FIXTURES
+            if others:
+                print(f"skipped {test.__name__}: it takes {sorted(others)}")
                 continue
             ran, failures = sweep(test, args.seeds, args.seconds)
             seeds = ", ".join(str(seed) for seed, _ in failures[:5])

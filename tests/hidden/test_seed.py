@@ -39,9 +39,9 @@ SEED = _read_seed()
 REPLAY = f"replay this draw: {ENV}={SEED}"
 
 
-def rng_for(name: str) -> random.Random:
-    """The random stream of test ``name`` under this process's seed."""
-    return random.Random(f"{SEED}:{name}")
+def rng_for(name: str, seed: int = SEED) -> random.Random:
+    """The random stream of test ``name`` under ``seed`` (this process's, by default)."""
+    return random.Random(f"{seed}:{name}")
 
 
 def seeded(test: Callable) -> Callable:
