@@ -700,6 +700,23 @@ def test_comment_reads_a_zip_artifact_member_by_member(tmp_path):
     assert number.read_text() == "17" and not (tmp_path.parent / "escape.txt").exists()
 
 
+def test_comment_only_counts_the_parts_the_course_grades_so_far(tmp_path, capsys):
+    """``--only`` (the repository variable VKV_PARTS) bounds the table and the maximum; a part
+    the manifest lacks is an error, not an empty row."""
+    artifact = tmp_path / "grade.json"
+    artifact.write_text(json.dumps(SAMPLE))
+    manifest = tmp_path / "parts.toml"
+    manifest.write_text(
+        '[[part]]\nid = "1.1"\ntitle = "Sequence"\npoints = 10\n'
+        '[[part]]\nid = "1.2"\ntitle = "Block"\npoints = 20\n'
+    )
+    assert comment.main([str(artifact), "--parts", str(manifest), "--only", "1.1"]) == 0
+    text = capsys.readouterr().out
+    assert "autograde: 10 / 10 (advisory)" in text and "| 1.2 |" not in text
+    assert comment.main([str(artifact), "--parts", str(manifest), "--only", "1.1,9.9"]) == 1
+    assert "no part 9.9" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "broken",
     [

@@ -41,7 +41,10 @@ def test_actions_are_pinned_by_commit_and_permissions_are_explicit(workflow):
 def test_the_privileged_workflow_never_touches_pull_request_code():
     text = (ROOT / "assignment/workflows/autograde-comment.yml").read_text()
     assert "workflow_run:" in text and "pull-requests: write" in text
-    assert "head_sha }}" not in text and "head.sha }}" not in text, "no checkout of the PR head"
+    assert "ref:" not in text and "repository:" not in text, "one checkout: the default branch"
+    assert text.count("head_sha }}") == 1 and "HEAD_SHA: ${{ github.event.workflow_run" in text, (
+        "the graded head's sha is only compared with the pull request's, never checked out"
+    )
     assert "uv run" not in text and "pip install" not in text, "nothing installed or run from it"
 
 
