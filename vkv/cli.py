@@ -4,7 +4,8 @@
               [--require-sandbox | --unsafe-no-sandbox]
               [--format table|json|gradescope|markdown] [--output FILE]
                                                 score a submission, per part
-    vkv demo                                    watch paging and preemption on vkv-tiny
+    vkv demo [--record RUN.jsonl]               watch paging and preemption on vkv-tiny
+    vkv view RUN.jsonl [--port N]               replay a recorded run in a browser page
     vkv generate PROMPT... [--model PATH]       generate text (default model: vkv-tiny)
     vkv bench e2e                               vkv vs transformers' generate, same requests
     vkv assignment release OUT                  write the student edition into OUT
@@ -18,7 +19,9 @@ or from ``--root``.
 """
 
 import argparse
+import contextlib
 import sys
+import threading
 from pathlib import Path
 
 from rich.console import Console
@@ -125,7 +128,14 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from vkv.demo import STEPS_PER_SECOND, run_demo
+    from vkv.recording import LiveRecording
+    from vkv.view import ViewServer
 
+    live_page = LiveRecording() if args.web else None
+    server = ViewServer(live_page, port=args.port).start() if live_page else None
+    if server is not None:
+        console.print(f"the live page: {server.url}")
+    record = [sink for sink in (args.record, live_page) if sink is not None]
     run_demo(
         console,
         model=args.model,
@@ -137,8 +147,33 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         max_tokens=args.max_tokens,
         live=console.is_terminal and not args.no_live,
         steps_per_second=None if args.fast else STEPS_PER_SECOND,
+        record=record or None,
+        watched=args.web,
         **_kv_cache(args),
     )
+    if args.record:
+        console.print(f"recorded every step in {args.record}: vkv view {args.record}")
+    if server is not None:
+        console.print(f"the run is over; {server.url} keeps showing it (Ctrl-C stops)")
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
+        server.stop()
+    return 0
+
+
+def _view(args: argparse.Namespace, console: Console) -> int:
+    from vkv.recording import RecordingError, read_recording
+    from vkv.view import ViewServer
+
+    try:
+        steps = len(read_recording(args.recording).steps)
+    except RecordingError as exc:
+        console.print(f"[red]vkv view: {escape(str(exc))}[/red]", soft_wrap=True)
+        return 2
+    server = ViewServer(args.recording, args.host, args.port)
+    console.print(f"{steps} steps of {args.recording}: open {server.url} (Ctrl-C stops)")
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
     return 0
 
 
@@ -146,8 +181,11 @@ def _serve(args: argparse.Namespace, console: Console) -> int:
     import uvicorn
 
     from vkv.engine.llm_engine import LLMEngine, model_label
+    from vkv.recording import LiveRecording
     from vkv.server import chat_template_of, create_app
+    from vkv.view import ViewServer
 
+    live_page = LiveRecording() if args.view_port is not None else None
     engine = LLMEngine(
         args.model,
         block_size=args.block_size,
@@ -155,10 +193,14 @@ def _serve(args: argparse.Namespace, console: Console) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         num_cpu_blocks=args.cpu_blocks,
+        record=live_page,
         **_kv_cache(args),
     )
     app = create_app(engine, model_label(args.model), chat_template_of(args.model))
     console.print(f"vkv serve: http://{args.host}:{args.port}/v1 (metrics at /metrics)")
+    if live_page is not None:
+        view = ViewServer(live_page, args.host, args.view_port).start()
+        console.print(f"the KV cache, live: {view.url}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -404,8 +446,23 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draw the live view as fast as the engine steps (default: 8 steps a second)",
     )
+    demo.add_argument(
+        "--record", metavar="RUN.jsonl", help="write every step's KV-cache state, for vkv view"
+    )
+    demo.add_argument(
+        "--web",
+        action="store_true",
+        help="show the run live in a page on 127.0.0.1 (--port), 8 steps a second unless --fast",
+    )
+    demo.add_argument("--port", type=int, default=8001, help="the live page's port (--web)")
     _kv_cache_options(demo)
     demo.set_defaults(run=_demo)
+
+    view = commands.add_parser("view", help="replay a recorded run (vkv demo --record) in a page")
+    view.add_argument("recording", metavar="RUN.jsonl")
+    view.add_argument("--host", default="127.0.0.1")
+    view.add_argument("--port", type=int, default=8001)
+    view.set_defaults(run=_view)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible server, with /metrics")
     serve.add_argument("--model", help="a checkpoint folder (default: the built-in vkv-tiny)")
@@ -416,6 +473,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpu-blocks", type=int, default=0, help="the CPU swap pool, in blocks")
     serve.add_argument("--max-model-len", type=int, default=2048)
     serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument(
+        "--view-port", type=int, help="also serve the live page of the KV cache on this port"
+    )
     _kv_cache_options(serve)
     serve.set_defaults(run=_serve)
 

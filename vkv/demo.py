@@ -28,6 +28,7 @@ from rich.text import Text
 from vkv.config import Config
 from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine, sixteen_bit_ratio
 from vkv.engine.sequence import Sequence, SequenceStatus
+from vkv.recording import RecordTo
 from vkv.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -90,13 +91,17 @@ def run_demo(
     key_granularity: str = "per_token",
     kv_quant_group: str = "head",
     enable_prefix_caching: bool = False,
+    record: RecordTo | None = None,
+    watched: bool = False,
 ) -> DemoSummary:
     """Serve ``requests`` prompts and show each step; return what happened.
 
     ``gpu_blocks`` is the device pool's size in blocks, whatever the KV format (keys per
     channel add their full-precision residual on top). In the live view every step is drawn,
     ``steps_per_second`` of them a second; ``None`` draws at most a frame every
-    ``REFRESH_SECONDS`` and never waits.
+    ``REFRESH_SECONDS`` and never waits. ``record`` takes the run's recording, as
+    ``LLMEngine``'s does (a file for ``vkv view``, a ``LiveRecording`` for the live page);
+    ``watched``: a live page shows the run, so it keeps the pace without the terminal view.
     """
     if requests < 1:
         raise ValueError(f"the demo needs at least one request, got {requests}")
@@ -118,6 +123,7 @@ def run_demo(
         key_granularity=key_granularity,
         kv_quant_group=kv_quant_group,
         enable_prefix_caching=enable_prefix_caching,
+        record=record,
     )
     lengths = random.Random(0)
     for i in range(requests):
@@ -131,12 +137,14 @@ def run_demo(
     seqs = [engine.sequence(i) for i in range(requests)]
     history: list[dict[str, float]] = []
     started = shown = time.perf_counter()
+    paced = steps_per_second is not None and (live or watched)
     with Live(console=console, auto_refresh=False) if live else nullcontext() as view:
         while engine.has_unfinished_requests():
             engine.step()
             history.append(dict(engine.stats))
-            if live and steps_per_second is not None:
-                view.update(_render(engine, seqs, history, started), refresh=True)
+            if paced:
+                if live:
+                    view.update(_render(engine, seqs, history, started), refresh=True)
                 time.sleep(max(0.0, shown + 1 / steps_per_second - time.perf_counter()))
                 shown = time.perf_counter()
             elif live and time.perf_counter() - shown >= REFRESH_SECONDS:

@@ -21,7 +21,6 @@ on 2 busy cores; needs bubblewrap (the grading job refuses to grade without its 
 import json
 import os
 import shutil
-import socket
 import subprocess
 import zipfile
 from pathlib import Path
@@ -32,6 +31,7 @@ from fake_github import BOT, FakeGitHub
 from vkv.assignment import comment, sandbox
 from vkv.assignment.grade import copy_clean, grade
 from vkv.assignment.release import solve
+from vkv.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_INS = Path(__file__).parent / "act"
@@ -60,12 +60,6 @@ def pinned_actions() -> dict[str, Path]:
                 action = line.split("uses:")[1].split("#")[0].strip()
                 found[action] = STAND_INS / action.split("@")[0].split("/")[1]
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def git(tree: Path, *args: str) -> str:

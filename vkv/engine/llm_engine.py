@@ -40,6 +40,7 @@ from vkv.kernels import cpu_attention, reference
 from vkv.metrics.registry import EngineMetrics
 from vkv.metrics.stats import StatLogger
 from vkv.models.loader import load_checkpoint
+from vkv.recording import Recorder, RecordTo, sinks_for
 from vkv.sampling_params import MAX_SEED, SamplingParams
 
 CPU_KV_BYTES = 256 << 20
@@ -76,7 +77,9 @@ class LLMEngine:
     CPU); its size is printed to stderr. ``num_cpu_blocks`` is the swap pool. Attention runs on
     the Triton kernels on CUDA and on the PyTorch reference on a CPU unless ``backend`` says
     otherwise (on a CPU, decode attention reads the paged cache in place: ``cpu_attention``);
-    the scheduler's options are ``Config``'s.
+    the scheduler's options are ``Config``'s. ``record`` receives a recording of every step's
+    KV-cache state (``vkv.recording``): a file's path (``vkv view`` replays it), a
+    ``LiveRecording`` (the live page), or a list of both.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class LLMEngine:
         kv_quant_group: str = "head",
         backend: str | None = None,
         device: str | None = None,
+        record: RecordTo | None = None,
     ) -> None:
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -203,6 +207,7 @@ class LLMEngine:
             block_size=str(block_size),
         ).set(1)
         self.stat_logger = metrics_logger(self.metrics)
+        self.recorder = Recorder(self, *sinks_for(record)) if record else None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text, or token ids); return its request id.
@@ -436,6 +441,8 @@ class LLMEngine:
                 touched += self._fork_samples(parent, forks[seq_id], firsts)
         outputs = [self._output(seq) for seq in touched]
         self._record(out, touched, outputs)
+        if self.recorder is not None:
+            self.recorder.record(self, out)
         elapsed = time.perf_counter() - started
         self.stats = {
             **self._state(),
