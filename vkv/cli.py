@@ -2,13 +2,13 @@
 
     vkv grade [PATH] [--trusted TREE] [--isolate] [--hidden DIR] [--seed N]
               [--require-sandbox | --unsafe-no-sandbox]
-              [--format table|json|gradescope|markdown] [--output FILE]
+              [--format table|json|gradescope|classroom|markdown] [--output FILE]
                                                 score a submission, per part
     vkv demo [--record RUN.jsonl]               watch paging and preemption on vkv-tiny
     vkv view RUN.jsonl [--port N]               replay a recorded run in a browser page
     vkv generate PROMPT... [--model PATH]       generate text (default model: vkv-tiny)
     vkv bench e2e                               vkv vs transformers' generate, same requests
-    vkv assignment release OUT                  write the student edition into OUT
+    vkv assignment release OUT [--classroom]    write the student edition into OUT
     vkv assignment solve DIR --parts 1.1,1.2    put reference code for those parts into DIR
     vkv assignment check                        prove the assignment sound (see check.py)
     vkv assignment gradescope OUT.zip [--parts 1]
@@ -83,11 +83,16 @@ def _grade(args: argparse.Namespace, console: Console) -> int:
     if args.format == "table":
         report.print_table(result, console)
         return 0
-    render = {"json": report.as_json, "gradescope": report.as_gradescope}
+    render = {
+        "json": report.as_json,
+        "gradescope": report.as_gradescope,
+        "classroom": report.as_classroom,
+    }
     text = render.get(args.format, report.as_markdown)(result)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text if text.endswith("\n") else text + "\n")
+        report.print_table(result, console)  # the file is for a machine; the table for a person
     else:
         print(text)
     return 0
@@ -274,8 +279,10 @@ def _release(args: argparse.Namespace, console: Console) -> int:
     from vkv.assignment.release import release
 
     out = Path(args.out).resolve()
-    files = release(_reference_root(args), out)
+    files = release(_reference_root(args), out, classroom=args.classroom)
     console.print(f"wrote the student edition ({len(files)} files, one commit) to {out}")
+    if args.classroom:
+        console.print("with .github/workflows/classroom.yml (GitHub Classroom's autograding)")
     return 0
 
 
@@ -385,9 +392,11 @@ def _parser() -> argparse.ArgumentParser:
     grade.add_argument("--parts", help="grade only these parts: 1.1,1.2 or a phase: 1")
     grade.add_argument("--timeout", type=float, default=300.0, help="seconds per part")
     grade.add_argument(
-        "--format", choices=["table", "json", "gradescope", "markdown"], default="table"
+        "--format",
+        choices=["table", "json", "gradescope", "classroom", "markdown"],
+        default="table",
     )
-    grade.add_argument("--output", help="write the json / gradescope / markdown form here")
+    grade.add_argument("--output", help="write that form here (the table is printed too)")
     grade.add_argument("--root", help="the reference tree for --isolate (default: this package's)")
     grade.add_argument(
         "--seed", type=int, help="the tests' VKV_GRADE_SEED (default: drawn at random)"
@@ -504,6 +513,11 @@ def _parser() -> argparse.ArgumentParser:
     tools = assignment.add_subparsers(required=True, metavar="TOOL")
     release = tools.add_parser("release", help="write the student edition into OUT")
     release.add_argument("out")
+    release.add_argument(
+        "--classroom",
+        action="store_true",
+        help="add classroom.yml: grade every push and report points to GitHub Classroom",
+    )
     release.set_defaults(run=_release)
     solve = tools.add_parser("solve", help="put reference code for some parts into a tree")
     solve.add_argument("dir")

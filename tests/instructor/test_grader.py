@@ -153,6 +153,9 @@ def test_infinite_loop_times_out(edition, tmp_path, honest_score):
     score, result = cheat_score(edition, tmp_path, cheat, timeout=15)
     assert score <= honest_score
     assert result.parts[1].status == "timeout"
+    classroom = json.loads(report.as_classroom(result))
+    assert classroom["tests"][1]["status"] == "error", "Classroom's reporter shows its message"
+    assert "killed after 15 s" in classroom["tests"][1]["message"]
 
 
 def test_fake_results_files_are_ignored(edition, tmp_path, honest_score):
@@ -640,6 +643,58 @@ def test_gradescope_output_validates_against_the_schema(edition, tmp_path):
     assert ("1.1", "visible") in numbers and ("1.1", "after_due_date") in numbers
     assert document["score"] == result.score
     assert document["score"] <= sum(t["score"] for t in document["tests"]) + 1e-9
+
+
+# What GitHub Classroom's reporter (autograding-grading-reporter v1) reads of a runner's result.
+CLASSROOM_SCHEMA = {
+    "type": "object",
+    "required": ["version", "status", "max_score", "tests"],
+    "properties": {
+        "version": {"const": 1},
+        "status": {"enum": ["pass", "fail", "error"]},
+        "max_score": {"type": "number"},
+        "tests": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "status", "score", "max_score", "message", "test_code"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "status": {"enum": ["pass", "fail", "error"]},
+                    "score": {"type": "number", "minimum": 0},
+                    "max_score": {"type": "number"},
+                    "message": {"type": ["string", "null"]},
+                    "test_code": {"type": "string"},
+                    "line_no": {"type": "integer"},
+                },
+            },
+        },
+    },
+}
+
+
+def test_classroom_result_gives_each_part_its_points_and_its_first_failure(edition, tmp_path):
+    submission = honest(edition, tmp_path)
+    result = grade(submission, edition, parts=PARTS)
+    document = json.loads(report.as_classroom(result))
+    jsonschema.validate(document, CLASSROOM_SCHEMA)
+    assert document["status"] == "fail" and document["max_score"] == 30
+    solved, stubbed = document["tests"]
+    assert solved["name"] == "1.1 Sequence: tokens and logical blocks"
+    assert (solved["status"], solved["score"], solved["max_score"]) == ("pass", 10, 10)
+    assert (stubbed["status"], stubbed["score"], stubbed["max_score"]) == ("fail", 0, 20)
+    first = next(t for t in result.parts[1].tests if t.outcome != "passed")
+    assert f"{first.nodeid}: {first.message}" in stubbed["message"]
+    assert stubbed["test_code"] == "uv run pytest tests/test_phase1.py -k part2_ -v"
+    assert sum(t["score"] for t in document["tests"]) == result.score, "what the reporter adds up"
+
+
+def test_vkv_grade_writes_the_form_asked_for_and_prints_the_table(edition, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    arguments = ["grade", str(edition), "--parts", "1.1", "--format", "classroom"]
+    assert cli.main([*arguments, "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["tests"][0]["status"] == "fail"
+    assert "vkv grade" in capsys.readouterr().out, "the table, for the person reading the log"
 
 
 TRUSTED_PARTS = {"1.1": ("Sequence", 10.0), "1.2": ("Block", 20.0)}

