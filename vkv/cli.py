@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     try:
+        if getattr(args, "tensor_parallel_size", 1) > 1 and _serve_as_worker(args):
+            return 0
         return args.run(args, console)
     except NotImplementedError as exc:
         if not str(exc).startswith("part "):  # not a stub of the assignment: a bug
@@ -45,6 +47,23 @@ def main(argv: list[str] | None = None) -> int:
         return _error(exc)  # a part a student has not done yet, named
     except (FileNotFoundError, FileExistsError, KeyError, ValueError, RuntimeError) as exc:
         return _error(exc)
+
+
+def _serve_as_worker(args: argparse.Namespace) -> bool:
+    """Under a launcher that started every rank (torchrun), ranks other than 0 serve rank 0's
+    engine as tensor-parallel workers instead of running the command; True if this one did."""
+    from vkv.engine.parallel import launched, run_worker
+
+    launch = launched()
+    if launch is None or launch[0] == 0:
+        return False
+    if launch[1] != args.tensor_parallel_size:
+        raise ValueError(
+            f"launched as {launch[1]} ranks for --tensor-parallel-size "
+            f"{args.tensor_parallel_size}: start as many ranks as the split"
+        )
+    run_worker(*launch)
+    return True
 
 
 def _error(exc: Exception) -> int:
@@ -124,7 +143,8 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         backend=args.backend,
         **_kv_cache(args),
     )
-    outputs = llm.generate(args.prompts, params, use_progress=console.is_terminal)
+    with llm:
+        outputs = llm.generate(args.prompts, params, use_progress=console.is_terminal)
     for prompt, output in zip(args.prompts, outputs, strict=True):
         console.print(f"[bold]{prompt}[/bold]", end="")
         console.print(output["text"], markup=False, highlight=False)
@@ -206,7 +226,8 @@ def _serve(args: argparse.Namespace, console: Console) -> int:
     if live_page is not None:
         view = ViewServer(live_page, args.host, args.view_port).start()
         console.print(f"the KV cache, live: {view.url}")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    with engine:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -335,8 +356,8 @@ def _reference_root(args: argparse.Namespace) -> Path:
 
 
 def _kv_cache_options(command: argparse.ArgumentParser) -> None:
-    """The KV-cache options (formats, Phase 3; prefix caching, Phase 4), the same for every
-    command that runs the model."""
+    """The KV-cache options (formats, Phase 3; prefix caching, Phase 4; the heads' split over
+    processes), the same for every command that runs the model."""
     command.add_argument(
         "--kv-cache-dtype",
         choices=list(KV_CACHE_DTYPES),
@@ -362,15 +383,23 @@ def _kv_cache_options(command: argparse.ArgumentParser) -> None:
         action="store_true",
         help="share the KV blocks of prompt prefixes computed before (a radix tree of blocks)",
     )
+    command.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model's heads and the KV cache over N processes (torch.distributed)",
+    )
 
 
-def _kv_cache(args: argparse.Namespace) -> dict[str, str | bool]:
+def _kv_cache(args: argparse.Namespace) -> dict[str, str | bool | int]:
     """The engine's keyword arguments for the options of ``_kv_cache_options``."""
     return {
         "kv_cache_dtype": args.kv_cache_dtype,
         "key_granularity": args.key_granularity,
         "kv_quant_group": args.kv_quant_group,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
 
 

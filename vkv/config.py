@@ -62,9 +62,11 @@ class Config:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "int4" (Phase 3)
     key_granularity: str = "per_token"  # quantized keys "per_token" or "per_channel" (KIVI)
     kv_quant_group: str = "head"  # a per-token scale covers one KV head, or a "token"'s all
+    tensor_parallel_size: int = 1  # processes the heads and each block's KV are split over
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs"):
+        positive = ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs")
+        for name in (*positive, "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

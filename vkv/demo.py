@@ -93,6 +93,7 @@ def run_demo(
     enable_prefix_caching: bool = False,
     record: RecordTo | None = None,
     watched: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> DemoSummary:
     """Serve ``requests`` prompts and show each step; return what happened.
 
@@ -124,6 +125,7 @@ def run_demo(
         kv_quant_group=kv_quant_group,
         enable_prefix_caching=enable_prefix_caching,
         record=record,
+        tensor_parallel_size=tensor_parallel_size,
     )
     lengths = random.Random(0)
     for i in range(requests):
@@ -154,6 +156,7 @@ def run_demo(
             view.update(_render(engine, seqs, history, started), refresh=True)
     summary = _summarize(engine, seqs, history, time.perf_counter() - started)
     console.print(_summary_table(summary, engine))
+    engine.close()
     return summary
 
 

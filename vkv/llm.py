@@ -1,6 +1,8 @@
 """LLM: offline batch generation, as in vLLM and nano-vLLM: ``LLM(path).generate(prompts)``.
 
-``LLM()`` serves the built-in ``vkv-tiny``; the options are ``LLMEngine``'s.
+``LLM()`` serves the built-in ``vkv-tiny``; the options are ``LLMEngine``'s. With
+``tensor_parallel_size`` > 1, ``close()`` (or ``with LLM(...) as llm:``) stops the other
+processes.
 """
 
 from pathlib import Path
@@ -14,6 +16,15 @@ from vkv.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str | Path | None = None, **options) -> None:
         self.engine = LLMEngine(model, **options)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(
         self,

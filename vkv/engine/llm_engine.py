@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from numbers import Integral
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -34,12 +35,19 @@ from vkv.config import KV_CACHE_DTYPES, Config
 from vkv.engine.block_manager import AllocStatus
 from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
 from vkv.engine.model_runner import ModelRunner, TokenLogprobs
+from vkv.engine.parallel import (
+    ShardSpec,
+    TensorParallel,
+    WorkerError,
+    check_tensor_parallel,
+    shard_model,
+)
 from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.kernels import cpu_attention, reference
 from vkv.metrics.registry import EngineMetrics
 from vkv.metrics.stats import StatLogger
-from vkv.models.loader import load_checkpoint
+from vkv.models.loader import load_checkpoint, read_config
 from vkv.recording import Recorder, RecordTo, sinks_for
 from vkv.sampling_params import MAX_SEED, SamplingParams
 
@@ -79,7 +87,9 @@ class LLMEngine:
     otherwise (on a CPU, decode attention reads the paged cache in place: ``cpu_attention``);
     the scheduler's options are ``Config``'s. ``record`` receives a recording of every step's
     KV-cache state (``vkv.recording``): a file's path (``vkv view`` replays it), a
-    ``LiveRecording`` (the live page), or a list of both.
+    ``LiveRecording`` (the live page), or a list of both. ``tensor_parallel_size`` N > 1 splits
+    the model's heads and the KV cache over N processes (``parallel.py``): the budget and the
+    block count are per rank, and ``close()`` (or ``with``) stops the other processes.
     """
 
     def __init__(
@@ -103,6 +113,7 @@ class LLMEngine:
         backend: str | None = None,
         device: str | None = None,
         record: RecordTo | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -120,22 +131,14 @@ class LLMEngine:
                 "the triton backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
                 "(Triton's interpreter, for tests); on a CPU use --backend torch"
             )
-        if backend == "triton":
-            from vkv.kernels import triton_attention as kernels
-
-            attention = "triton attention"
-        elif self.device.type == "cpu":
-            kernels = cpu_attention
-            compiled = cpu_attention.kernel_path() is not None
-            attention = "torch attention" + (", decode in place (C)" if compiled else "")
-        else:
-            kernels, attention = reference, "torch attention"
+        check_tensor_parallel(read_config(model), tensor_parallel_size)
+        kernels, attention = attention_kernels(backend, self.device)
         self.model, self.tokenizer, eos = load_checkpoint(model, dtype, self.device)
         c = self.model.config
         shape = CacheShape(
             c.num_layers,
             block_size,
-            c.num_kv_heads,
+            c.num_kv_heads // tensor_parallel_size,  # a rank's slice of every block
             c.head_dim,
             dtype,
             kv_cache_dtype,
@@ -170,17 +173,28 @@ class LLMEngine:
             kv_cache_dtype=kv_cache_dtype,
             key_granularity=key_granularity,
             kv_quant_group=kv_quant_group,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.scheduler = Scheduler(self.config)
+        self.parallel: TensorParallel | None = None
+        if tensor_parallel_size > 1:
+            spec = ShardSpec(
+                None if model is None else str(model), backend, self.device.type, shape,
+                self.config.num_gpu_blocks, num_cpu_blocks, residual_slots,
+            )  # fmt: skip
+            self.parallel = TensorParallel.start(tensor_parallel_size, spec, c.vocab_size)
+            shard_model(self.model, 0, tensor_parallel_size, self.parallel.all_reduce)
+            attention += f", tensor parallel over {tensor_parallel_size} processes"
         self.cache_engine = CacheEngine(
             shape, self.config.num_gpu_blocks, num_cpu_blocks, self.device, residual_slots
         )
         self.runner = ModelRunner(
-            self.model, self.cache_engine, self.scheduler.block_manager, kernels
+            self.model, self.cache_engine, self.scheduler.block_manager, kernels, self.parallel
         )
+        per_rank = " per rank" if self.parallel else ""
         print(
             f"vkv: KV cache of {self.config.num_gpu_blocks} blocks x {block_size} tokens "
-            f"({self.config.num_gpu_blocks * shape.block_bytes / 2**20:.1f} MiB"
+            f"({self.config.num_gpu_blocks * shape.block_bytes / 2**20:.1f} MiB{per_rank}"
             f"{_capacity_note(shape)}) on {self.device}, {attention}",
             file=sys.stderr,
         )
@@ -413,6 +427,18 @@ class LLMEngine:
             "prefix_cache_hits": manager.num_hit_tokens,
         }
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (safe to call twice; nothing to do with
+        one process). The engine can run no step after it."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
 
@@ -487,8 +513,8 @@ class LLMEngine:
             self._step_logprobs.update(self.runner.logprobs)
             self._more_logprobs.update(self.runner.more_logprobs)
             return tokens
-        except NotImplementedError:
-            raise
+        except (NotImplementedError, WorkerError):
+            raise  # a missing part, or a tensor-parallel worker lost: not a request's fault
         except Exception as error:
             if len(scheduled) > 1:
                 return [token for item in scheduled for token in self._execute([item], forks)]
@@ -643,6 +669,18 @@ def metrics_logger(metrics: EngineMetrics) -> StatLogger | None:
     part, qualname = unfinished
     print(f"vkv: metrics off until part {part} ({qualname}) is done", file=sys.stderr)
     return None
+
+
+def attention_kernels(backend: str, device: torch.device) -> tuple[ModuleType, str]:
+    """The attention kernels' module for ``backend`` on ``device``, and how to describe it."""
+    if backend == "triton":
+        from vkv.kernels import triton_attention
+
+        return triton_attention, "triton attention"
+    if device.type == "cpu":
+        compiled = cpu_attention.kernel_path() is not None
+        return cpu_attention, "torch attention" + (", decode in place (C)" if compiled else "")
+    return reference, "torch attention"
 
 
 def default_device() -> torch.device:

@@ -8,6 +8,10 @@ uses the decode kernel; any step with a prefill (or a chunk of one) uses the pre
 for which a decode token is a one-token chunk. The logits of each sequence's last computed token
 are sampled (a prefill chunk that stops short gets a token the scheduler then ignores).
 
+With tensor parallelism (``parallel.py``) this runner is rank 0's: it sends each step's block
+maps and flat batch (``StepBatch``) to the other ranks, which run the same ``forward`` on their
+heads, and it samples from the vocabulary the ranks' logits make together.
+
 Before sampling, a request's penalties and logit bias adjust its row of logits
 (``adjust_logits``); a request that asks for logprobs gets, for each sampled token, its
 log-probability and the most likely alternatives from the log-softmax of the raw row (before
@@ -18,6 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +32,9 @@ from vkv.engine.cache_engine import CacheEngine
 from vkv.engine.key_residual import partial_blocks
 from vkv.engine.scheduler import ScheduledSequence, SchedulerOutput
 from vkv.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from vkv.engine.parallel import TensorParallel
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 from vkv.sampling_params import MAX_SEED, SamplingParams
 
@@ -43,15 +51,32 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
+@dataclass(slots=True, frozen=True)
+class StepBatch:
+    """A step's tokens as plain lists: ids, positions and cache slots (one per token), the
+    sequences' cumulative token counts ``cu_seqlens`` (``[0, ...]``), their context lengths
+    after the step, and their block tables, each padded with -1 to the longest, flattened."""
+
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_seqlens: list[int]
+    context_lens: list[int]
+    block_tables: list[int]
+    is_prefill: bool
+
+
 class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
         cache_engine: CacheEngine,
-        block_manager: BlockManager,
+        block_manager: BlockManager | None,
         backend: ModuleType,
+        parallel: "TensorParallel | None" = None,
     ) -> None:
         self.model = model
+        self.parallel = parallel  # tensor parallelism: this is rank 0 (see parallel.py)
         self.cache_engine = cache_engine
         self.block_manager = block_manager
         self.backend = backend
@@ -66,6 +91,11 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The batch's ``input_ids``, ``positions`` and attention metadata; the CacheEngine
         plans where the new keys go (``plan_step``: keys per channel wait in a residual)."""
+        return self.tensors(self.batch_of(scheduled))
+
+    def batch_of(self, scheduled: list[ScheduledSequence]) -> StepBatch:
+        """The scheduled tokens as one flat batch of plain lists (what a tensor-parallel rank 0
+        sends to the other ranks)."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -81,13 +111,18 @@ class ModelRunner:
             cu_seqlens.append(len(tokens))
             context_lens.append(end)
             tables.append(seq.block_table)
-        self.cache_engine.plan_step(slots)
         width = max(map(len, tables))
         padding = [-1] * width
         padded: list[int] = []  # the tables, each padded to the longest, in one flat list
         for table in tables:
             padded += table
             padded += padding[len(table) :]
+        is_prefill = any(item.is_prefill for item in scheduled)
+        return StepBatch(tokens, positions, slots, cu_seqlens, context_lens, padded, is_prefill)
+
+    def tensors(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``batch`` as the model's inputs on this runner's device; plans the key residual."""
+        self.cache_engine.plan_step(batch.slots)
 
         def tensor(values: list[int], dtype: type[np.integer] = np.int32) -> torch.Tensor:
             # through numpy: np.fromiter turns a list of ints into an array 3-4x faster than
@@ -95,14 +130,27 @@ class ModelRunner:
             array = np.fromiter(values, dtype, len(values))
             return torch.from_numpy(array).to(self.device)
 
+        num_seqs = len(batch.context_lens)
         meta = AttentionMetadata(
-            is_prefill=any(item.is_prefill for item in scheduled),
-            slot_mapping=tensor(slots, np.int64),
-            block_tables=tensor(padded).view(len(tables), width),
-            context_lens=tensor(context_lens),
-            cu_seqlens_q=tensor(cu_seqlens),
+            is_prefill=batch.is_prefill,
+            slot_mapping=tensor(batch.slots, np.int64),
+            block_tables=tensor(batch.block_tables).view(num_seqs, -1),
+            context_lens=tensor(batch.context_lens),
+            cu_seqlens_q=tensor(batch.cu_seqlens),
         )
-        return tensor(tokens, np.int64), tensor(positions, np.int64), meta
+        return tensor(batch.tokens, np.int64), tensor(batch.positions, np.int64), meta
+
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """The logits of each sequence's last token in ``batch`` (the whole vocabulary); with
+        tensor parallelism, on rank 0 only (the others send their slice of the vocabulary and
+        get None)."""
+        input_ids, positions, meta = self.tensors(batch)
+        logits = self.model(input_ids, positions, self.cache_engine.layers(), meta, self.backend)
+        if len(logits) > len(batch.context_lens):  # a row per token: keep each sequence's last
+            logits = logits[meta.cu_seqlens_q[1:].long() - 1]
+        if self.parallel is not None:
+            logits = self.parallel.gather_vocabulary(logits)
+        return logits
 
     def apply_block_maps(
         self, out: SchedulerOutput, running: list[Sequence], swapped: Iterable[Sequence]
@@ -116,13 +164,10 @@ class ModelRunner:
             size = self.cache_engine.shape.block_size
             partial_gpu = partial_blocks(running, size)
             partial_cpu = partial_blocks(swapped, size)
-        self.cache_engine.apply(
-            out.blocks_to_swap_out,
-            out.blocks_to_swap_in,
-            out.blocks_to_copy,
-            partial_gpu,
-            partial_cpu,
-        )
+        maps = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        if self.parallel is not None and (any(maps) or partial_gpu or partial_cpu):
+            self.parallel.send(("maps", (*maps, partial_gpu, partial_cpu)))
+        self.cache_engine.apply(*maps, partial_gpu, partial_cpu)
         self.model_seconds = 0.0
 
     @torch.inference_mode()
@@ -145,12 +190,11 @@ class ModelRunner:
         self.more_tokens, self.logprobs, self.more_logprobs = {}, {}, {}
         if not scheduled:
             return []
-        input_ids, positions, meta = self.prepare(scheduled)
-        caches = self.cache_engine.layers()
+        batch = self.batch_of(scheduled)
         started = time.perf_counter()
-        logits = self.model(input_ids, positions, caches, meta, self.backend)
-        if len(logits) > len(scheduled):  # a row per token: keep each sequence's last
-            logits = logits[meta.cu_seqlens_q[1:].long() - 1]
+        if self.parallel is not None:
+            self.parallel.send(("batch", batch))
+        logits = self.forward(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - started

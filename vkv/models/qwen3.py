@@ -8,10 +8,15 @@ where its K/V go (``slot_mapping``) and which cached blocks each sequence reads.
 ``backend`` is a module with ``store_kvcache``, ``paged_prefill_attention`` and
 ``paged_decode_attention``: ``vkv.kernels.reference`` (PyTorch) or
 ``vkv.kernels.triton_attention``.
+
+Tensor parallelism (``vkv.engine.parallel``) splits the attention heads and the MLP's
+intermediate channels over ranks: each rank keeps its rows of q/k/v and gate/up, its columns
+of o/down, and an ``all_reduce`` that sums the partial outputs of o/down; ``lm_head`` keeps the
+rank's slice of the vocabulary.
 """
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -120,6 +125,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.num_heads, self.num_kv_heads = c.num_heads, c.num_kv_heads  # this rank's (see TP)
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None  # sums o_proj over ranks
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -134,9 +141,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(tokens, c.num_heads, c.head_dim)
-        k = self.k_proj(hidden).view(tokens, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(hidden).view(tokens, c.num_kv_heads, c.head_dim)
+        q = self.q_proj(hidden).view(tokens, self.num_heads, c.head_dim)
+        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, c.head_dim)
+        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, *rotary), rotate(k, *rotary)
@@ -157,7 +164,10 @@ class Attention(nn.Module):
             out = backend.paged_decode_attention(
                 q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens, scale
             )
-        return self.o_proj(out.reshape(tokens, c.num_heads * c.head_dim))
+        out = self.o_proj(out.reshape(tokens, self.num_heads * c.head_dim))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 class MLP(nn.Module):
@@ -166,13 +176,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None  # sums down_proj over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))``, the activation written over the gate's output (a
         prefill's are megabytes: no new tensor to allocate and fill)."""
         gate = self.gate_proj(x)
         nn.functional.silu(gate, inplace=True)
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+        out = self.down_proj(gate.mul_(self.up_proj(x)))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
