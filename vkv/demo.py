@@ -282,12 +282,14 @@ def _prefix_note(engine: LLMEngine) -> str:
 
 
 def _bytes_note(engine: LLMEngine) -> str:
-    """The device pool's bytes; for a quantized cache, against 16-bit blocks as many."""
+    """The device pool's bytes (a rank's, with tensor parallelism); for a quantized cache,
+    against 16-bit blocks as many."""
     shape = engine.cache_engine.shape
     pool = engine.config.num_gpu_blocks * shape.block_bytes
+    size = f"{pool / 2**20:.1f} MiB" + (" per rank" if engine.parallel else "")
     if not shape.quantized:
-        return f"{pool / 2**20:.1f} MiB ({shape.dtype})"
-    return f"{pool / 2**20:.1f} MiB, {sixteen_bit_ratio(shape):.2f}x less than 16-bit"
+        return f"{size} ({shape.dtype})"
+    return f"{size}, {sixteen_bit_ratio(shape):.2f}x less than 16-bit"
 
 
 def _keys_note(config: Config) -> str:
