@@ -176,22 +176,16 @@ class LLMEngine:
             tensor_parallel_size=tensor_parallel_size,
         )
         self.scheduler = Scheduler(self.config)
-        self.parallel: TensorParallel | None = None
-        if tensor_parallel_size > 1:
-            spec = ShardSpec(
-                None if model is None else str(model), backend, self.device.type, shape,
-                self.config.num_gpu_blocks, num_cpu_blocks, residual_slots,
-            )  # fmt: skip
-            self.parallel = TensorParallel.start(tensor_parallel_size, spec, c.vocab_size)
-            shard_model(self.model, 0, tensor_parallel_size, self.parallel.all_reduce)
-            attention += f", tensor parallel over {tensor_parallel_size} processes"
         self.cache_engine = CacheEngine(
             shape, self.config.num_gpu_blocks, num_cpu_blocks, self.device, residual_slots
         )
+        self.parallel: TensorParallel | None = None  # started last (see below)
+        if tensor_parallel_size > 1:
+            attention += f", tensor parallel over {tensor_parallel_size} processes"
         self.runner = ModelRunner(
-            self.model, self.cache_engine, self.scheduler.block_manager, kernels, self.parallel
+            self.model, self.cache_engine, self.scheduler.block_manager, kernels
         )
-        per_rank = " per rank" if self.parallel else ""
+        per_rank = " per rank" if tensor_parallel_size > 1 else ""
         print(
             f"vkv: KV cache of {self.config.num_gpu_blocks} blocks x {block_size} tokens "
             f"({self.config.num_gpu_blocks * shape.block_bytes / 2**20:.1f} MiB{per_rank}"
@@ -222,6 +216,14 @@ class LLMEngine:
         ).set(1)
         self.stat_logger = metrics_logger(self.metrics)
         self.recorder = Recorder(self, *sinks_for(record)) if record else None
+        if tensor_parallel_size > 1:  # last: nothing after it can fail and leave workers behind
+            spec = ShardSpec(
+                None if model is None else str(model), backend, self.device.type, shape,
+                self.config.num_gpu_blocks, num_cpu_blocks, residual_slots,
+            )  # fmt: skip
+            self.parallel = TensorParallel.start(tensor_parallel_size, spec, c.vocab_size)
+            shard_model(self.model, 0, tensor_parallel_size, self.parallel.all_reduce)
+            self.runner.parallel = self.parallel
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text, or token ids); return its request id.
