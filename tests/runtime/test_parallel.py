@@ -62,6 +62,12 @@ CASES = {
     "recompute": {"num_gpu_blocks": 12, "preemption_mode": "recompute"},
     "chunked prefill": {"enable_chunked_prefill": True, "max_num_batched_tokens": 24},
     "int8": {"kv_cache_dtype": "int8"},
+    "int8 keys per channel": {  # the residual's slots come back every step, moves or not
+        "kv_cache_dtype": "int8",
+        "key_granularity": "per_channel",
+        "block_size": 4,
+        "max_num_seqs": 2,
+    },
     "int8 keys per channel, swap": {
         "kv_cache_dtype": "int8",
         "key_granularity": "per_channel",
@@ -144,6 +150,41 @@ def test_torchrun_starts_every_rank_and_the_others_serve_rank_0(tmp_path):
     alone = subprocess.run([vkv, *arguments], capture_output=True, text=True, timeout=300)
     assert done.stdout == alone.stdout and "def fibonacci" in done.stdout
     assert "tensor parallel over 2 processes" in done.stderr
+
+
+def test_a_step_that_fails_on_rank_0_stops_the_workers_instead_of_hanging(monkeypatch):
+    """With the workers inside the same forward, rank 0 cannot retry a sequence alone (as one
+    process does): the run ends with one error."""
+    engine = LLMEngine(tensor_parallel_size=2, num_gpu_blocks=64)
+    with engine:
+        for prompt in PROMPTS:
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8))
+        engine.step()
+        mlp = engine.model.model.layers[1].mlp
+        monkeypatch.setattr(mlp, "forward", lambda x: (_ for _ in ()).throw(ValueError("boom")))
+        with pytest.raises(WorkerError, match=r"a step failed on rank 0 .* boom"):
+            engine.step()
+        [worker] = engine.parallel.processes
+    assert not worker.is_alive() and multiprocessing.active_children() == []
+
+
+def test_a_worker_that_dies_before_the_group_forms_fails_the_start_at_once(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "not a number")  # the spawned worker's first step fails
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker rank 1 .* died with exit code 1"):
+        LLMEngine(tensor_parallel_size=2, num_gpu_blocks=16)
+    assert time.monotonic() - started < 60
+    assert multiprocessing.active_children() == []
+
+
+def test_a_second_engine_with_tensor_parallelism_is_refused_while_the_first_runs():
+    with LLMEngine(tensor_parallel_size=2, num_gpu_blocks=16) as first:
+        with pytest.raises(ValueError, match="close that engine first"):
+            LLMEngine(tensor_parallel_size=2, num_gpu_blocks=16)
+        first.add_request("def f(x):\n", SamplingParams(temperature=0, max_tokens=4))
+        while first.has_unfinished_requests():
+            first.step()  # the first engine's group is untouched
+    assert multiprocessing.active_children() == []
 
 
 def test_a_killed_worker_ends_the_run_with_one_error_and_no_process_left():

@@ -165,7 +165,8 @@ class ModelRunner:
             partial_gpu = partial_blocks(running, size)
             partial_cpu = partial_blocks(swapped, size)
         maps = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        if self.parallel is not None and (any(maps) or partial_gpu or partial_cpu):
+        keeps_residual = self.cache_engine.residual is not None  # its apply frees slots too
+        if self.parallel is not None and (any(maps) or keeps_residual):
             self.parallel.send(("maps", (*maps, partial_gpu, partial_cpu)))
         self.cache_engine.apply(*maps, partial_gpu, partial_cpu)
         self.model_seconds = 0.0
@@ -192,9 +193,10 @@ class ModelRunner:
             return []
         batch = self.batch_of(scheduled)
         started = time.perf_counter()
-        if self.parallel is not None:
-            self.parallel.send(("batch", batch))
-        logits = self.forward(batch)
+        if self.parallel is None:
+            logits = self.forward(batch)
+        else:
+            logits = self.parallel.run_step(lambda: self.forward(batch), ("batch", batch))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - started

@@ -34,19 +34,26 @@ the workers itself, or, when a launcher started every rank (``RANK`` and ``WORLD
 ``vkv`` command runs ``run_worker`` on the other ranks; the first message gives each worker
 its ``ShardSpec``.
 
-**Failures**: a worker that dies is noticed before the next message (its process has ended) or
-inside a collective (gloo reports the closed connection): rank 0 raises ``WorkerError``, ends
-the other workers and leaves no process behind. A worker whose step raises prints the error
-and exits, which rank 0 then notices. A worker whose rank 0 dies exits at the closed connection.
+**Failures**: a worker that dies is noticed before the group forms (rank 0 waits for each to be
+ready, watching it), before the next message (its process has ended) or inside a collective
+(gloo reports the closed connection): rank 0 raises ``WorkerError``, ends the other workers and
+leaves no process behind. A worker whose step raises prints the error and exits, which rank 0
+then notices; a step that raises on rank 0 cannot be retried alone, as one process retries it
+(the workers are inside the same forward): it ends the run with ``WorkerError`` too. A worker
+whose rank 0 dies exits at the closed connection. One engine with tensor parallelism per
+process at a time (torch.distributed has one default group).
 """
 
 import contextlib
 import math
 import multiprocessing
 import os
+import queue
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,7 +62,10 @@ from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.models.qwen3 import CausalLM, ModelConfig
 
 WORKER_JOIN_SECONDS = 5.0
-GROUP_TIMEOUT = timedelta(hours=6)  # an idle worker waits this long for rank 0's next message
+GROUP_TIMEOUT = timedelta(days=30)  # an idle worker waits this long for rank 0's next message
+POLL_SECONDS = 0.2
+RENDEZVOUS_GIVEN = "MASTER_PORT" in os.environ  # set by the user or a launcher: kept
+T = TypeVar("T")
 
 
 class WorkerError(RuntimeError):
@@ -148,6 +158,11 @@ class TensorParallel:
         every rank), join the group and send them ``spec``."""
         from vkv.server import free_port
 
+        if dist.is_initialized():
+            raise ValueError(
+                "this process already holds a torch.distributed group (another engine with "
+                "tensor parallelism?): close that engine first"
+            )
         launch = launched()
         if launch is not None and launch != (0, size):
             rank, world = launch
@@ -155,28 +170,44 @@ class TensorParallel:
                 f"launched as rank {rank} of {world}: tensor_parallel_size {size} needs "
                 f"{size} ranks, and the engine runs on rank 0 (the others run run_worker)"
             )
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if launch is None and not RENDEZVOUS_GIVEN:  # a fresh port for every group formed
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         group = cls(0, size, vocab_size)
         if spec.device_type == "cpu":
             use_cpu_share(size)
         context = multiprocessing.get_context("spawn")
+        ready = context.Queue()  # each spawned worker's rank, once it is about to join
         for rank in range(1, size if launch is None else 1):
             process = context.Process(
                 target=run_worker,
-                args=(rank, size, spec.device_type, dict(os.environ)),
+                args=(rank, size, spec.device_type, dict(os.environ), ready),
                 name=f"vkv-tp-rank{rank}",
                 daemon=True,
             )
             process.start()
             group.processes.append(process)
         try:
+            group.wait_until_ready(ready)
             group.join(spec.device_type)
             group.send(spec)
+        except WorkerError:
+            raise
         except Exception as error:
-            group.close()
+            group.close(stop_message=False)
             raise WorkerError(f"the tensor-parallel group did not form: {error}") from error
         return group
+
+    def wait_until_ready(self, ready: "multiprocessing.Queue") -> None:
+        """Rank 0: wait until every spawned worker is about to join the group, watching them:
+        one that ends first (an import error, a bad environment, a device it cannot use)
+        fails the start at once, instead of leaving rank 0 in the rendezvous."""
+        waiting = len(self.processes)
+        while waiting:
+            try:
+                ready.get(timeout=POLL_SECONDS)
+                waiting -= 1
+            except queue.Empty:
+                self._check_workers()  # a dead worker: stops the others and raises
 
     def join(self, device_type: str) -> None:
         """Join the process group (every rank) and make the gloo group for the messages."""
@@ -185,12 +216,29 @@ class TensorParallel:
             backend, init_method="env://", rank=self.rank, world_size=self.size,
             timeout=GROUP_TIMEOUT,
         )  # fmt: skip
-        self.messages = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+        self.messages = dist.group.WORLD
+        if backend == "nccl":  # the messages are pickled bytes: a CPU group carries them
+            self.messages = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
 
     def send(self, message: object) -> None:
         """Rank 0: broadcast ``message`` to the workers."""
         self._check_workers()
         self._collective(lambda: dist.broadcast_object_list([message], 0, group=self.messages))
+
+    def run_step(self, forward: Callable[[], T], batch: tuple) -> T:
+        """Rank 0: send ``batch`` and run this rank's ``forward`` of it. The workers are then
+        inside the same forward, so a failure here cannot be retried alone (the ranks' next
+        collectives would not match): it stops the workers and raises ``WorkerError``."""
+        self.send(batch)
+        try:
+            return forward()
+        except WorkerError:
+            raise
+        except Exception as error:
+            self.close(stop_message=False)  # the workers wait inside the step: no message
+            raise WorkerError(
+                f"a step failed on rank 0 under tensor parallelism: {_first_line(error)}"
+            ) from error
 
     def receive(self) -> object:
         """A worker: the next message of rank 0."""
@@ -222,7 +270,7 @@ class TensorParallel:
             for process in self.processes:  # a killed worker's sockets close before it is reaped
                 process.join(WORKER_JOIN_SECONDS)
             self._check_workers()  # names the worker that died
-            self.close()
+            self.close(stop_message=False)
             raise WorkerError(f"tensor parallelism failed: {_first_line(error)}") from error
 
     def _check_workers(self) -> None:
@@ -230,19 +278,21 @@ class TensorParallel:
             raise WorkerError("the tensor-parallel workers were stopped")
         for rank, process in enumerate(self.processes, start=1):
             if process.exitcode is not None:
-                self.close()
+                self.close(stop_message=False)
                 raise WorkerError(
                     f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit "
                     f"code {process.exitcode}; the engine cannot go on"
                 )
 
-    def close(self) -> None:
-        """Rank 0: stop the workers (a stop message if they can take it, then terminate what
-        is left), leave the group and take back its CPU threads. Safe to call more than once."""
+    def close(self, stop_message: bool = True) -> None:
+        """Rank 0: stop the workers (the stop message, unless a failure left them inside a
+        step; then terminate what is left), leave the group and take back its CPU threads.
+        Safe to call more than once."""
         if self.closed:
             return
         self.closed = True
-        if all(p.exitcode is None for p in self.processes):  # none known dead: tell them
+        formed = self.messages is not None  # else the group (if any) is not this one's
+        if stop_message and formed and all(p.exitcode is None for p in self.processes):
             with contextlib.suppress(RuntimeError):  # a worker is gone: terminated below
                 dist.broadcast_object_list([None], 0, group=self.messages)
         for process in self.processes:
@@ -253,7 +303,7 @@ class TensorParallel:
             if process.exitcode is None:
                 process.kill()
                 process.join()
-        if dist.is_initialized():
+        if formed and dist.is_initialized():
             dist.destroy_process_group()
         torch.set_num_threads(self.threads)
 
@@ -268,7 +318,11 @@ def launched() -> tuple[int, int] | None:
 
 
 def run_worker(
-    rank: int, size: int, device_type: str | None = None, environment: dict | None = None
+    rank: int,
+    size: int,
+    device_type: str | None = None,
+    environment: dict | None = None,
+    ready: "multiprocessing.Queue | None" = None,
 ) -> None:
     """Rank ``rank`` of ``size`` (not 0): join the group, take rank 0's ``ShardSpec``, build
     this rank's shard, then run rank 0's messages until None. Started by rank 0, or by a
@@ -287,11 +341,20 @@ def run_worker(
     try:
         local = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device(f"cuda:{local}" if device_type == "cuda" else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # Triton launches on the current device
         if device_type == "cpu":
             use_cpu_share(size)
         group = TensorParallel(rank, size)
+        if ready is not None:
+            ready.put(rank)
         group.join(device_type)
         spec = group.receive()
+        if spec.device_type != device_type:
+            raise ValueError(
+                f"rank 0 runs on {spec.device_type} and rank {rank} on {device_type}: set "
+                "VKV_DEVICE the same on every rank"
+            )
         model, _, _ = load_checkpoint(spec.model, model_dtype(device), device)
         shard_model(model, rank, size, group.all_reduce)
         cache = CacheEngine(
