@@ -32,6 +32,7 @@ import itertools
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -40,7 +41,7 @@ from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -120,6 +121,7 @@ class AsyncEngine:
         self.work = threading.Event()
         self.queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopped = False
+        self.failed: str | None = None  # why the engine stopped for good (its step raised)
         self.thread = threading.Thread(target=self._run, name="vkv-engine", daemon=True)
         self.thread.start()
 
@@ -129,6 +131,8 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         done: Future = Future()
         self._post(("add", prompt, params, asyncio.get_running_loop(), queue, done))
+        if self.failed is not None:  # no thread carries it out: refuse it here
+            self._refuse_commands()
         return await asyncio.wrap_future(done), queue
 
     def release(self, request_id: int) -> None:
@@ -147,6 +151,39 @@ class AsyncEngine:
         self.work.set()
 
     def _run(self) -> None:
+        """Carry out the commands and step while there is work. A step that raises (a
+        tensor-parallel worker lost, a bug) stops the engine for good: each request in flight
+        ends with ``finish_reason`` error, later ones are refused with 503."""
+        try:
+            self._serve()
+        except Exception as error:
+            self.failed = f"the engine stopped: {type(error).__name__}: {error}"
+            print(f"vkv serve: {self.failed}", file=sys.stderr)
+            self._end_requests_in_flight()
+            self._refuse_commands()
+
+    def _end_requests_in_flight(self) -> None:
+        for request_id, (loop, queue) in list(self.queues.items()):
+            for index, seq in enumerate(self.engine.samples(request_id)):
+                if not seq.is_finished:
+                    output = RequestOutput(
+                        request_id, index, "", [], seq.completion_token_ids, True, "error",
+                        error=self.failed,
+                    )  # fmt: skip
+                    loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    def _refuse_commands(self) -> None:
+        """After a failure: refuse every request still queued (503), drop the rest."""
+        while True:
+            try:
+                kind, *args = self.commands.get_nowait()
+            except Empty:
+                return
+            done = args[-1] if kind == "add" else None
+            if done is not None and not done.done():
+                done.set_exception(RequestError(self.failed or "", status=503))
+
+    def _serve(self) -> None:
         while not self.stopped:
             self._carry_out_commands()
             if not self.engine.has_unfinished_requests():
@@ -207,7 +244,9 @@ def create_app(engine: LLMEngine, model_name: str, chat_template: str | None = N
         return error_response(error)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health():
+        if served.failed is not None:
+            return JSONResponse({"status": "failed", "error": served.failed}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from vkv.engine.llm_engine import LLMEngine
+from vkv.engine.parallel import WorkerError
 from vkv.server import serve_in_thread
 
 MODEL = "vkv-tiny"
@@ -482,3 +483,32 @@ def test_a_huge_prompt_does_not_stall_a_running_stream(server):
         f"{median * 1e3:.1f} ms): the prompt's reading, decoding or tokenizing paused the stream"
     )
     assert idle(engine)
+
+
+def test_an_engine_that_stops_ends_the_requests_in_flight_and_refuses_the_rest():
+    """A step that raises (here as it does when a tensor-parallel worker is lost) stops the
+    engine for good: the request in flight ends with finish_reason "error", later ones get a
+    503 saying why, and /health says it too."""
+    engine = LLMEngine(num_gpu_blocks=64)
+    steps, step = 0, engine.step
+
+    def failing_third_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise WorkerError("tensor-parallel worker rank 1 (pid 1) died with exit code -9")
+        return step()
+
+    engine.step = failing_third_step
+    uv, url = serve_in_thread(engine, MODEL)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        answer = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=50)
+        assert answer.choices[0].finish_reason == "error"
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=MODEL, prompt="def g(x):", max_tokens=2)
+        assert refused.value.status_code == 503 and "worker rank 1" in str(refused.value)
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "worker rank 1" in health.json()["error"]
+    finally:
+        uv.should_exit = True

@@ -686,7 +686,10 @@ def attention_kernels(backend: str, device: torch.device) -> tuple[ModuleType, s
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``$VKV_DEVICE`` when set (``cpu`` on a machine with a GPU; under torchrun, the same on
+    every rank), else CUDA where there is one, else the CPU."""
+    chosen = os.environ.get("VKV_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(chosen)
 
 
 def model_dtype(device: torch.device) -> torch.dtype:
