@@ -7,7 +7,7 @@ requests (windows of the pinned corpus, greedy, ``ignore_eos``) while every phas
 
     schedule      Scheduler.schedule
     block maps    ModelRunner.apply_block_maps (swaps and copies on write)
-    prepare       ModelRunner.prepare (token ids, positions, slots, block tables as tensors)
+    prepare       ModelRunner.batch_of and .tensors (token ids, positions, slots, block tables)
     forward       the model (the engine's model time also holds, in a step with a prefill, the
                   gather of each sequence's last logits; a decode step has one row each)
     execute rest  the rest of ModelRunner.execute: the per-layer caches, sampling
@@ -59,7 +59,8 @@ class PhaseTimer:
         runner = engine.runner
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(runner, "apply_block_maps", "block maps")
-        self._wrap(runner, "prepare", "prepare")
+        self._wrap(runner, "batch_of", "prepare")
+        self._wrap(runner, "tensors", "prepare")
         self._wrap(runner.model, "forward", "forward")
         self._wrap(runner, "execute", "execute")
         self._wrap(engine.scheduler, "postprocess", "postprocess")

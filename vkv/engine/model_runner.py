@@ -86,13 +86,6 @@ class ModelRunner:
         self.more_logprobs: dict[int, list[TokenLogprobs]] = {}  # the other samples' ones
         self.model_seconds = 0.0
 
-    def prepare(
-        self, scheduled: list[ScheduledSequence]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The batch's ``input_ids``, ``positions`` and attention metadata; the CacheEngine
-        plans where the new keys go (``plan_step``: keys per channel wait in a residual)."""
-        return self.tensors(self.batch_of(scheduled))
-
     def batch_of(self, scheduled: list[ScheduledSequence]) -> StepBatch:
         """The scheduled tokens as one flat batch of plain lists (what a tensor-parallel rank 0
         sends to the other ranks)."""
@@ -143,13 +136,18 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The logits of each sequence's last token in ``batch`` (the whole vocabulary); with
         tensor parallelism, on rank 0 only (the others send their slice of the vocabulary and
-        get None)."""
+        get None). ``model_seconds`` adds the model's part (the inputs made, to the logits)."""
         input_ids, positions, meta = self.tensors(batch)
-        logits = self.model(input_ids, positions, self.cache_engine.layers(), meta, self.backend)
+        caches = self.cache_engine.layers()
+        started = time.perf_counter()
+        logits = self.model(input_ids, positions, caches, meta, self.backend)
         if len(logits) > len(batch.context_lens):  # a row per token: keep each sequence's last
             logits = logits[meta.cu_seqlens_q[1:].long() - 1]
         if self.parallel is not None:
             logits = self.parallel.gather_vocabulary(logits)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.model_seconds += time.perf_counter() - started
         return logits
 
     def apply_block_maps(
@@ -192,14 +190,10 @@ class ModelRunner:
         if not scheduled:
             return []
         batch = self.batch_of(scheduled)
-        started = time.perf_counter()
         if self.parallel is None:
             logits = self.forward(batch)
         else:
             logits = self.parallel.run_step(lambda: self.forward(batch), ("batch", batch))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.model_seconds += time.perf_counter() - started
         if more_samples:
             for row, item in zip(logits, scheduled, strict=True):
                 step, seq_id = item.seq.num_tokens, item.seq.seq_id
