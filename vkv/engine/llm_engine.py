@@ -47,7 +47,7 @@ from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.kernels import cpu_attention, reference
 from vkv.metrics.registry import EngineMetrics
 from vkv.metrics.stats import StatLogger
-from vkv.models.loader import load_checkpoint, read_config
+from vkv.models.loader import load_checkpoint
 from vkv.recording import Recorder, RecordTo, sinks_for
 from vkv.sampling_params import MAX_SEED, SamplingParams
 
@@ -131,10 +131,10 @@ class LLMEngine:
                 "the triton backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
                 "(Triton's interpreter, for tests); on a CPU use --backend torch"
             )
-        check_tensor_parallel(read_config(model), tensor_parallel_size)
         kernels, attention = attention_kernels(backend, self.device)
         self.model, self.tokenizer, eos = load_checkpoint(model, dtype, self.device)
         c = self.model.config
+        check_tensor_parallel(c, tensor_parallel_size)  # before any process starts
         shape = CacheShape(
             c.num_layers,
             block_size,
