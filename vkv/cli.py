@@ -137,7 +137,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
     llm = LLM(
         args.model,
         block_size=args.block_size,
-        kv_cache_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
+        kv_cache_bytes=_kv_budget_bytes(args),
         gpu_memory_fraction=args.gpu_memory_fraction,
         max_model_len=args.max_model_len,
         backend=args.backend,
@@ -214,7 +214,7 @@ def _serve(args: argparse.Namespace, console: Console) -> int:
     engine = LLMEngine(
         args.model,
         block_size=args.block_size,
-        kv_cache_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
+        kv_cache_bytes=_kv_budget_bytes(args),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         num_cpu_blocks=args.cpu_blocks,
@@ -390,6 +390,11 @@ def _kv_cache_options(command: argparse.ArgumentParser) -> None:
         metavar="N",
         help="split the model's heads and the KV cache over N processes (torch.distributed)",
     )
+
+
+def _kv_budget_bytes(args: argparse.Namespace) -> int | None:
+    """``--kv-budget-mb`` in bytes; None leaves the engine's own budget."""
+    return None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20)
 
 
 def _kv_cache(args: argparse.Namespace) -> dict[str, str | bool | int]:

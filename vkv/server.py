@@ -59,43 +59,25 @@ MAX_BODY_BYTES = 8 << 20  # a request body's size bound
 MAX_JSON_DEPTH = 32  # how deeply a body may nest arrays and objects (json.loads recurses)
 JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 NOT_BRACKETS = re.compile(r"[^\[\]{}]")
+SERVED_BY_BOTH = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "user",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stream_options",
+}
 SERVED = {  # the fields each endpoint serves; OpenAI's others are refused by name
-    "completions": {
-        "model",
-        "prompt",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "stop",
-        "seed",
-        "stream",
-        "user",
-        "logprobs",
-        "echo",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-        "stream_options",
-    },
-    "chat": {
-        "model",
-        "messages",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "stop",
-        "seed",
-        "stream",
-        "user",
-        "logprobs",
-        "top_logprobs",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-        "stream_options",
-    },
+    "completions": SERVED_BY_BOTH | {"prompt", "echo"},
+    "chat": SERVED_BY_BOTH | {"messages", "top_logprobs"},
 }
 
 

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from vkv.assignment import comment
-from vkv.assignment.grade import GradeReport, PartResult
+from vkv.assignment.grade import GradeReport, PartResult, TestOutcome
 
 MAX_OUTPUT = 2000
 FAILING_SHOWN = 3
@@ -88,7 +88,6 @@ def as_gradescope(report: GradeReport) -> str:
                 continue
             max_score = round(result.part.points * len(group) / result.total, 2)
             passed = sum(t.outcome == "passed" for t in group)
-            failures = [f"{t.nodeid}: {t.message}" for t in group if t.outcome != "passed"]
             tests.append(
                 {
                     "name": f"{result.part.id} {result.part.title}"
@@ -97,12 +96,7 @@ def as_gradescope(report: GradeReport) -> str:
                     "score": round(max_score * passed / len(group), 2),
                     "max_score": max_score,
                     "status": "passed" if passed == len(group) else "failed",
-                    "output": _clip(
-                        f"{passed}/{len(group)} tests passed ({result.status}"
-                        + (f": {detail}" if (detail := details[hidden]) else "")
-                        + ")\n"
-                        + "\n".join(failures)
-                    ),
+                    "output": _clip("\n".join(_outcome(group, result.status, details[hidden]))),
                     "visibility": "after_due_date" if hidden else "visible",
                 }
             )
@@ -123,6 +117,14 @@ def as_gradescope(report: GradeReport) -> str:
     return json.dumps(document, indent=2)
 
 
+def _outcome(tests: list[TestOutcome], status: str, detail: str) -> list[str]:
+    """A group of tests in a results file: "k/n tests passed (status: detail)", then
+    "nodeid: message" for each test that did not pass."""
+    passed = sum(test.outcome == "passed" for test in tests)
+    summary = f"{passed}/{len(tests)} tests passed ({status}" + (f": {detail})" if detail else ")")
+    return [summary, *(f"{t.nodeid}: {t.message}" for t in tests if t.outcome != "passed")]
+
+
 CLASSROOM_STATUS = {"passed": "pass", "timeout": "error", "error": "error"}  # else "fail"
 
 
@@ -137,9 +139,7 @@ def as_classroom(report: GradeReport) -> str:
     """
     tests = []
     for result in report.parts:
-        failures = [f"{t.nodeid}: {t.message}" for t in result.tests if t.outcome != "passed"]
-        summary = f"{result.passed}/{result.total} tests passed ({result.status}"
-        summary += f": {result.full_detail})" if result.full_detail else ")"
+        summary, *failures = _outcome(result.tests, result.status, result.full_detail)
         phase, number = result.part.id.split(".")
         test_file = f"tests/test_phase{phase}.py"
         tests.append(

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from vkv.engine.cache_engine import CacheEngine, CacheShape
-from vkv.models.qwen3 import CausalLM, ModelConfig
+from vkv.models.qwen3 import AllReduce, CausalLM, ModelConfig
 
 WORKER_JOIN_SECONDS = 5.0
 GROUP_TIMEOUT = timedelta(days=30)  # an idle worker waits this long for rank 0's next message
@@ -103,7 +103,7 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
             )
 
 
-def shard_model(model: CausalLM, rank: int, size: int, all_reduce) -> None:
+def shard_model(model: CausalLM, rank: int, size: int, all_reduce: AllReduce) -> None:
     """Keep rank ``rank``'s share of ``model``'s weights, in place (the module docstring's
     sharding); ``all_reduce`` sums a tensor over the ranks, in place."""
     c = model.config

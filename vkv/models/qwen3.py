@@ -23,6 +23,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the tensor-parallel ranks, in place
+
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
@@ -126,7 +128,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.num_heads, self.num_kv_heads = c.num_heads, c.num_kv_heads  # this rank's (see TP)
-        self.all_reduce: Callable[[torch.Tensor], None] | None = None  # sums o_proj over ranks
+        self.all_reduce: AllReduce | None = None  # sums o_proj over ranks
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -176,7 +178,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.all_reduce: Callable[[torch.Tensor], None] | None = None  # sums down_proj over ranks
+        self.all_reduce: AllReduce | None = None  # sums down_proj over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))``, the activation written over the gate's output (a
