@@ -7,6 +7,7 @@ runtime tests hold to transformers'. Each two-process engine starts a worker (a 
 Python that imports torch: a few seconds).
 """
 
+import gc
 import multiprocessing
 import os
 import shutil
@@ -185,6 +186,17 @@ def test_a_second_engine_with_tensor_parallelism_is_refused_while_the_first_runs
         while first.has_unfinished_requests():
             first.step()  # the first engine's group is untouched
     assert multiprocessing.active_children() == []
+
+
+def test_an_engine_dropped_without_close_stops_its_worker_and_leaves_its_group():
+    engine = LLMEngine(tensor_parallel_size=2, num_gpu_blocks=16)
+    [worker] = engine.parallel.processes
+    del engine
+    gc.collect()
+    assert not worker.is_alive() and multiprocessing.active_children() == []
+    assert not torch.distributed.is_initialized(), "the group is left, a new engine can form one"
+    tokens, _ = greedy(2, PROMPTS[:2], max_tokens=4, num_gpu_blocks=16)
+    assert tokens == greedy(1, PROMPTS[:2], max_tokens=4, num_gpu_blocks=16)[0]
 
 
 def test_a_killed_worker_ends_the_run_with_one_error_and_no_process_left():

@@ -23,6 +23,7 @@ import hashlib
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass, replace
 from numbers import Integral
 from pathlib import Path
@@ -224,6 +225,7 @@ class LLMEngine:
             self.parallel = TensorParallel.start(tensor_parallel_size, spec, c.vocab_size)
             shard_model(self.model, 0, tensor_parallel_size, self.parallel.all_reduce)
             self.runner.parallel = self.parallel
+            weakref.finalize(self, self.parallel.close)  # dropped without close(): stops too
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text, or token ids); return its request id.
@@ -431,7 +433,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (safe to call twice; nothing to do with
-        one process). The engine can run no step after it."""
+        one process). The engine can run no step after it. An engine dropped without it stops
+        its workers when it is collected, or when the interpreter exits."""
         if self.parallel is not None:
             self.parallel.close()
 
