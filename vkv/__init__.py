@@ -1,6 +1,10 @@
 """vkv-engine: a small paged-KV LLM inference engine, and an assignment built on it."""
 
-from vkv.sampling_params import SamplingParams
+from vkv.threads import prefer_passive_wait
+
+prefer_passive_wait()  # before anything imports torch: see vkv/threads.py
+
+from vkv.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams"]
 

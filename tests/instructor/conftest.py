@@ -11,9 +11,10 @@ from vkv.assignment.release import release
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def edition(tmp_path_factory) -> Path:
-    """The student edition of this repository, released once per test module."""
+    """The student edition of this repository, released once per test process (tests copy it
+    before they change anything in it)."""
     out = tmp_path_factory.mktemp("edition") / "edition"
     release(ROOT, out, commit=False)
     return out

@@ -11,9 +11,11 @@ the attacks of the grader's adversarial review.
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
+import threading
 import zipfile
 from pathlib import Path
 
@@ -247,6 +249,36 @@ def test_writing_to_the_trusted_tree_voids_the_grade(edition, tmp_path_factory, 
     with pytest.raises(RuntimeError, match="trusted tree") as raised:
         grade(submission, trusted, parts=PARTS, timeout=15, enforce_policy=False)
     assert "the first changed path: .venv/lib/sitecustomize.py" in str(raised.value)
+
+
+def test_other_environments_linking_the_trusted_trees_cached_files_do_not_void_it(
+    edition, tmp_path, tmp_path_factory, honest_score
+):
+    """uv hard-links a virtual environment's files to its shared cache: each environment made
+    from that cache while a grade runs changes those files' ctime and link count, never the
+    trusted tree. A grade must not be voided by another process's work."""
+    trusted = tmp_path_factory.mktemp("trusted") / "edition"
+    copy_clean(edition, trusted)
+    cached = tmp_path_factory.mktemp("uv-cache") / "act"
+    cached.write_text("#!/bin/sh\n")
+    (trusted / ".venv/bin").mkdir(parents=True)
+    os.link(cached, trusted / ".venv/bin/act")
+    elsewhere = tmp_path_factory.mktemp("other-environment") / "act"
+    done = threading.Event()
+
+    def link_and_unlink() -> None:
+        while not done.wait(0.005):
+            os.link(cached, elsewhere)
+            os.unlink(elsewhere)
+
+    linker = threading.Thread(target=link_and_unlink)
+    linker.start()
+    try:
+        result = grade(honest(trusted, tmp_path), trusted, parts=PARTS, timeout=60)
+    finally:
+        done.set()
+        linker.join()
+    assert result.score == honest_score
 
 
 def test_a_tree_graded_by_its_own_tests_is_never_void(edition, tmp_path, no_sandbox):

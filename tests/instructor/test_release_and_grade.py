@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from vkv.assignment.grade import grade
 from vkv.assignment.parts import Assignment
 from vkv.assignment.regions import find_regions
-from vkv.assignment.release import release, solve
+from vkv.assignment.release import PARALLEL_TESTS, release, solve
 from vkv.assignment.report import as_json
 from vkv.cli import main
 
@@ -44,6 +45,16 @@ def test_edition_has_the_student_readme_and_says_it_is_the_student_edition(editi
     assert "--trusted" not in readme and "For instructors" not in readme, "no grader internals"
     assert Assignment.load(edition).edition == "student"
     assert Assignment.load(ROOT).edition == "reference"
+
+
+def test_the_edition_runs_its_tests_in_one_process_and_the_reference_on_every_core(edition):
+    """A student's ``pytest -k part1 -v`` reads test by test, in order; the reference's whole
+    suite spreads over the cores (pytest-xdist)."""
+    ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    theirs = tomllib.loads((edition / "pyproject.toml").read_text())["tool"]["pytest"]
+    assert "-n auto" in ours["addopts"]
+    assert theirs["ini_options"]["addopts"] == ours["addopts"].replace(PARALLEL_TESTS, "")
+    assert "-n" not in theirs["ini_options"]["addopts"].split()
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ prefix caching is refused in one line naming the part.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +43,11 @@ def parts_of(phases: set[int]) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def phases_1_to_4_solved(edition):
-    solve(ROOT, edition, parts_of({1, 2, 3, 4}))
-    return edition
+def phases_1_to_4_solved(edition, tmp_path_factory):
+    tree = tmp_path_factory.mktemp("student") / "edition"
+    shutil.copytree(edition, tree)
+    solve(ROOT, tree, parts_of({1, 2, 3, 4}))
+    return tree
 
 
 @pytest.mark.parametrize(

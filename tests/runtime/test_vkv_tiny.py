@@ -77,6 +77,7 @@ def test_demo_preempts_and_finishes_every_request(mode):
         cpu_blocks=16,
         preemption_mode=mode,
         max_tokens=64,
+        steps_per_second=None,  # every step drawn, as fast as the engine goes
     )
     assert summary.preemptions > 0
     assert sum(summary.finish_reasons.values()) == 8

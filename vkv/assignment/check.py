@@ -25,9 +25,9 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from rich.table import Table
 from vkv.assignment.parts import Assignment
 from vkv.assignment.regions import find_regions
 from vkv.assignment.release import copy_tree, release, source_files, stub_tree
-from vkv.assignment.testrun import TestResult, TestRunError, run_tests
+from vkv.assignment.testrun import TestResult, TestRun, run_many
 
 MUTANTS = Path("assignment") / "mutants.toml"
 RUN_TIMEOUT_S = 300.0
@@ -101,11 +101,13 @@ def check(root: Path, console: Console) -> list[Finding]:
             copy_tree(root, tree, hidden)
         test_files = assignment.test_files + hidden
 
-        workers = os.cpu_count() or 1
+        workers = len(os.sched_getaffinity(0))
         console.print(f"running the graded tests in {len(trees)} trees, {workers} at a time")
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            runs = {name: pool.submit(_run, tree, test_files) for name, tree in trees.items()}
-            results = {name: run.result() for name, run in runs.items()}
+        results = _run_timed(
+            {name: TestRun(tree, tuple(test_files)) for name, tree in trees.items()},
+            workers,
+            console,
+        )
         hung = [name for name, result in results.items() if result is None]
         if hung:
             findings.append(Finding("every test run finishes", False, _summary(hung)))
@@ -128,12 +130,15 @@ def check(root: Path, console: Console) -> list[Finding]:
         # failure (a tenth of the work of a full run).
         own_tests = {p: [r.nodeid for r in on_reference if r.part == p] for p in part_ids}
         console.print(f"running each of {len(mutant_trees)} mutants on its own part's tests")
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            runs = {
-                index: pool.submit(_run, tree, own_tests[mutants[index].part], ("-x",))
+        caught = _run_timed(
+            {
+                f"mutant {index}": TestRun(tree, tuple(own_tests[mutants[index].part]), ("-x",))
                 for index, tree in mutant_trees.items()
-            }
-            caught = {index: run.result() for index, run in runs.items()}
+            },
+            workers,
+            console,
+        )
+        caught = {int(key.split()[1]): results for key, results in caught.items()}
         survivors = [_survivor(index, mutants[index], results) for index, results in caught.items()]
         survivors = [survivor for survivor in survivors if survivor]
         findings.append(
@@ -149,12 +154,22 @@ def check(root: Path, console: Console) -> list[Finding]:
     return findings
 
 
-def _run(tree: Path, tests: list[str], options: tuple[str, ...] = ()) -> list[TestResult] | None:
-    """The results of ``tests`` (files or node ids) in the tree; None if it crashed or hung."""
-    try:
-        return run_tests(tree, tests, timeout=RUN_TIMEOUT_S, options=options)
-    except TestRunError:
-        return None
+def _run_timed(
+    runs: dict[str, TestRun], workers: int, console: Console
+) -> dict[str, list[TestResult] | None]:
+    """``run_many``'s results (None: a run crashed or hung), with a line of the time taken: the
+    wall time, the runs' summed time and the slowest runs, so that a slowdown shows where."""
+    seconds: dict[str, float] = {}
+    started = time.monotonic()
+    results = run_many(runs, workers, RUN_TIMEOUT_S, seconds.__setitem__)
+    slowest = sorted(seconds, key=seconds.__getitem__, reverse=True)[:3]
+    console.print(
+        f"  {len(runs)} runs in {time.monotonic() - started:.0f} s "
+        f"({sum(seconds.values()):.0f} s of runs; slowest: "
+        + ", ".join(f"{key} {seconds[key]:.0f} s" for key in slowest)
+        + ")"
+    )
+    return results
 
 
 def _apply(mutant: Mutant, tree: Path) -> str | None:

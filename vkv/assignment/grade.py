@@ -440,9 +440,8 @@ def symbolic_links(root: Path) -> list[str]:
 
 def tree_state(root: Path) -> dict[str, str]:
     """Every path under ``root``, links included, with a fingerprint: the content's sha256 for
-    each file of ``tree_files``, the size, mtime and ctime of the rest (version control,
-    virtual environments, caches: too large to read each time, and a write changes its
-    ctime)."""
+    each file of ``tree_files``, ``_metadata_fingerprint`` for the rest (version control,
+    virtual environments, caches: too large to read each time)."""
     state = {}
     content = tree_files(root)
     for directory, subdirs, names in os.walk(root):
@@ -452,9 +451,23 @@ def tree_state(root: Path) -> dict[str, str]:
             if relative in content:
                 state[relative] = hashlib.sha256(path.read_bytes()).hexdigest()
             else:
-                info = path.lstat()
-                state[relative] = f"{info.st_size} {info.st_mtime_ns} {info.st_ctime_ns}"
+                state[relative] = _metadata_fingerprint(path.lstat())
     return state
+
+
+def _metadata_fingerprint(info: os.stat_result) -> str:
+    """What a write to a file changes: its inode, mode, size and mtime, and its ctime when the
+    file has one name only.
+
+    A file with several hard links shares its inode, and so its ctime and link count, with
+    names outside the tree: uv links a virtual environment's files to its shared cache, and
+    every other environment that links the same cached file changes that ctime. Those files
+    are fingerprinted without it, so that no other process's activity voids a grade; a write
+    that also sets the mtime back is then unseen (the sandbox keeps a submission from writing
+    anything outside its own tree).
+    """
+    ctime = info.st_ctime_ns if info.st_nlink == 1 else "linked"
+    return f"{info.st_ino} {info.st_mode} {info.st_size} {info.st_mtime_ns} {ctime}"
 
 
 def first_change(before: dict[str, str], after: dict[str, str]) -> str | None:

@@ -3,7 +3,9 @@
 The edition is this repository's tracked files, less the instructor-only paths of
 ``parts.toml``, with every solution region stubbed, the student README
 (``assignment/student-README.md``, where there is one) as its ``README.md``,
-``edition = "student"`` in its ``parts.toml``, and the auto-grading workflows of
+``edition = "student"`` in its ``parts.toml``, its tests run in one process (the reference's
+``pytest -n auto`` left out of ``pyproject.toml``: a student's ``pytest -k part1 -v`` reads
+test by test, in order), and the auto-grading workflows of
 ``assignment/workflows/`` in ``.github/workflows/``, committed as the single commit of a new
 git repository: no reference code in its files, nor in its history.
 
@@ -20,6 +22,7 @@ from vkv.assignment.parts import MANIFEST, Assignment
 from vkv.assignment.regions import RegionError, find_regions, restore_regions, stub_regions
 
 WORKFLOWS = Path("assignment") / "workflows"
+PARALLEL_TESTS = " -n auto --dist worksteal"  # in the reference's pytest addopts
 STUDENT_README = Path("assignment") / "student-README.md"
 CLASSROOM_WORKFLOW = "classroom.yml"
 
@@ -86,6 +89,7 @@ def release(root: Path, out: Path, *, commit: bool = True, classroom: bool = Fal
     if (root / STUDENT_README).is_file():
         shutil.copyfile(root / STUDENT_README, out / "README.md")
     _mark_student_edition(out / MANIFEST)
+    _run_tests_in_one_process(out / "pyproject.toml")
     for workflow in sorted((root / WORKFLOWS).glob("*.yml")):
         if workflow.name == CLASSROOM_WORKFLOW and not classroom:
             continue
@@ -101,6 +105,11 @@ def _mark_student_edition(manifest: Path) -> None:
     lines = manifest.read_text().splitlines(keepends=True)
     at = lines.index("[assignment]\n") + 1
     manifest.write_text("".join([*lines[:at], 'edition = "student"\n', *lines[at:]]))
+
+
+def _run_tests_in_one_process(pyproject: Path) -> None:
+    if pyproject.is_file():
+        pyproject.write_text(pyproject.read_text().replace(PARALLEL_TESTS, ""))
 
 
 def solve(root: Path, tree: Path, parts: set[str]) -> list[str]:

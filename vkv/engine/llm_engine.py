@@ -51,6 +51,7 @@ from vkv.metrics.stats import StatLogger
 from vkv.models.loader import load_checkpoint
 from vkv.recording import Recorder, RecordTo, sinks_for
 from vkv.sampling_params import MAX_SEED, SamplingParams
+from vkv.threads import usable_cpus
 
 CPU_KV_BYTES = 256 << 20
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -122,6 +123,8 @@ class LLMEngine:
         if not 0.0 < gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
         self.device = torch.device(device) if device else default_device()
+        if self.device.type == "cpu":  # no more threads than this process has CPUs
+            torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
         dtype = model_dtype(self.device)
         backend = backend or ("triton" if self.device.type == "cuda" else "torch")
         if backend not in ("torch", "triton"):

@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.models.qwen3 import AllReduce, CausalLM, ModelConfig
+from vkv.threads import usable_cpus
 
 WORKER_JOIN_SECONDS = 5.0
 GROUP_TIMEOUT = timedelta(days=30)  # an idle worker waits this long for rank 0's next message
@@ -377,7 +378,7 @@ def run_worker(
 
 def use_cpu_share(size: int) -> None:
     """On a CPU, give each of the ``size`` ranks its share of the cores' threads."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(max(1, usable_cpus() // size))
 
 
 def _first_line(error: BaseException) -> str:

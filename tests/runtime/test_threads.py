@@ -1,0 +1,66 @@
+"""The engine's CPU threads (vkv/threads.py): asleep when they wait, no more than its CPUs.
+
+The slowdown itself (beside busy processes) is measured by ``benchmarks/bench_busy.py``, never
+asserted as a time here.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vkv import threads
+
+PROBE = """
+import json, os, sys
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one CPU, as taskset -c would
+import vkv, torch
+from vkv.engine.llm_engine import LLMEngine
+torch.set_num_threads(4)  # as many as a machine's cores, more than this process may use
+LLMEngine(num_gpu_blocks=8, max_model_len=64, device="cpu")
+print(json.dumps({"policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}))
+"""
+
+
+def probe(**environment: str) -> dict:
+    """What a fresh process pinned to one CPU sees after ``import vkv`` and an engine."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env={**env, **environment},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_importing_vkv_asks_for_sleeping_waits_and_an_engine_uses_only_its_cpus():
+    seen = probe()
+    assert seen["policy"] == "PASSIVE", "vkv sets OMP_WAIT_POLICY before torch is imported"
+    assert seen["threads"] == 1, f"pinned to one CPU, the engine ran {seen['threads']} threads"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_a_wait_policy_the_user_chose_is_kept():
+    assert probe(OMP_WAIT_POLICY="ACTIVE")["policy"] == "ACTIVE"
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "quota"),
+    [("150000 100000\n", 2), ("100000 100000\n", 1), ("max 100000\n", math.inf), (None, math.inf)],
+    ids=["1.5 CPUs", "1 CPU", "no quota", "no cgroup file"],
+)
+def test_a_cgroup_cpu_quota_caps_the_cpus(tmp_path, monkeypatch, cpu_max, quota):
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    monkeypatch.setattr(threads, "CGROUP_CPU_MAX", path)
+    assert threads._quota_cpus() == quota
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert threads.usable_cpus() == min(affinity, quota)

@@ -1,0 +1,49 @@
+"""The engine's CPU threads: as many as the CPUs this process may use, asleep when they wait.
+
+On a CPU, PyTorch's ops and the C decode-attention loop share one OpenMP thread pool (the
+libgomp that PyPI's torch loads). Two settings decide how the engine fares on a machine that
+other programs share (a lab machine, a laptop with a browser open, a CI runner):
+
+- **How a thread waits** at the end of a parallel region for the others. By default libgomp
+  spins for a while before it sleeps. On idle cores that saves a wake-up; beside busy
+  processes it burns the time slice that the late thread needs, and every step pays it at
+  each of its hundreds of barriers: beside 4 busy loops on 2 cores, ``vkv demo --no-live``
+  took 7.6 times its idle time and the vkv side of ``vkv bench e2e`` 16 times
+  (``benchmarks/bench_busy.py``), where a CPU-bound program should take about 2.5 to 3 times.
+  ``OMP_WAIT_POLICY=PASSIVE`` puts a waiting thread to sleep at once (2.6 and 3.5 times). libgomp
+  reads it once, when it is loaded, that is when torch is first imported: ``vkv/__init__.py``
+  calls ``prefer_passive_wait`` before anything of vkv imports torch. A value already in the
+  environment is kept, so ``OMP_WAIT_POLICY=ACTIVE vkv ...`` restores the spinning.
+- **How many threads**: no more than the CPUs this process may use (``usable_cpus``: its CPU
+  affinity, which ``taskset`` and a container's CPU set narrow, and a cgroup's CPU quota), never
+  the machine's whole count. ``LLMEngine`` lowers torch's thread count to it on a CPU.
+"""
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max ..."
+
+
+def prefer_passive_wait() -> None:
+    """Ask OpenMP to put waiting threads to sleep, unless ``OMP_WAIT_POLICY`` is already set.
+
+    Takes effect only before torch is first imported in this process (and in the processes it
+    starts, which inherit the environment)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, capped by a cgroup's CPU quota."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cpus or 1, _quota_cpus()))
+
+
+def _quota_cpus() -> int | float:
+    """The CPU quota of this process's cgroup, rounded up (infinite where there is none)."""
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        return math.ceil(int(quota) / int(period))
+    except (OSError, ValueError):  # no cgroup v2 file, or "max": no quota
+        return math.inf
