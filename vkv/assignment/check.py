@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from vkv.assignment.parts import Assignment
 from vkv.assignment.regions import find_regions
 from vkv.assignment.release import copy_tree, release, source_files, stub_tree
 from vkv.assignment.testrun import TestResult, TestRun, run_many
+from vkv.threads import usable_cpus
 
 MUTANTS = Path("assignment") / "mutants.toml"
 RUN_TIMEOUT_S = 300.0
@@ -101,7 +102,7 @@ def check(root: Path, console: Console) -> list[Finding]:
             copy_tree(root, tree, hidden)
         test_files = assignment.test_files + hidden
 
-        workers = len(os.sched_getaffinity(0))
+        workers = usable_cpus()
         console.print(f"running the graded tests in {len(trees)} trees, {workers} at a time")
         results = _run_timed(
             {name: TestRun(tree, tuple(test_files)) for name, tree in trees.items()},
@@ -132,13 +133,13 @@ def check(root: Path, console: Console) -> list[Finding]:
         console.print(f"running each of {len(mutant_trees)} mutants on its own part's tests")
         caught = _run_timed(
             {
-                f"mutant {index}": TestRun(tree, tuple(own_tests[mutants[index].part]), ("-x",))
+                index: TestRun(tree, tuple(own_tests[mutants[index].part]), ("-x",))
                 for index, tree in mutant_trees.items()
             },
             workers,
             console,
+            label="mutant ",
         )
-        caught = {int(key.split()[1]): results for key, results in caught.items()}
         survivors = [_survivor(index, mutants[index], results) for index, results in caught.items()]
         survivors = [survivor for survivor in survivors if survivor]
         findings.append(
@@ -155,18 +156,19 @@ def check(root: Path, console: Console) -> list[Finding]:
 
 
 def _run_timed(
-    runs: dict[str, TestRun], workers: int, console: Console
-) -> dict[str, list[TestResult] | None]:
+    runs: dict[Hashable, TestRun], workers: int, console: Console, label: str = ""
+) -> dict[Hashable, list[TestResult] | None]:
     """``run_many``'s results (None: a run crashed or hung), with a line of the time taken: the
-    wall time, the runs' summed time and the slowest runs, so that a slowdown shows where."""
-    seconds: dict[str, float] = {}
+    wall time, the runs' summed time and the slowest runs (``label`` and key), so that a
+    slowdown shows where."""
+    seconds: dict[Hashable, float] = {}
     started = time.monotonic()
     results = run_many(runs, workers, RUN_TIMEOUT_S, seconds.__setitem__)
     slowest = sorted(seconds, key=seconds.__getitem__, reverse=True)[:3]
     console.print(
         f"  {len(runs)} runs in {time.monotonic() - started:.0f} s "
         f"({sum(seconds.values()):.0f} s of runs; slowest: "
-        + ", ".join(f"{key} {seconds[key]:.0f} s" for key in slowest)
+        + ", ".join(f"{label}{key} {seconds[key]:.0f} s" for key in slowest)
         + ")"
     )
     return results
