@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import pytest
 from cost import fastest_ratio
+from grading_policy import policy_test
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -55,6 +56,14 @@ def pool_counts(bm: BlockManager) -> tuple[int, int, list[int]]:
 # --------------------------------------------------------------------------------------------
 # Part 1.1: Sequence
 # --------------------------------------------------------------------------------------------
+
+
+# Each part's first test: its regions follow the grading policy (tests/grading_policy.py).
+test_part1_follows_the_grading_policy = policy_test("1.1")
+test_part2_follows_the_grading_policy = policy_test("1.2")
+test_part3_follows_the_grading_policy = policy_test("1.3")
+test_part4_follows_the_grading_policy = policy_test("1.4")
+test_part5_follows_the_grading_policy = policy_test("1.5")
 
 
 def test_part1_new_sequence_holds_a_copy_of_the_prompt_and_waits():

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import pytest
 from cost import fastest_ratio
+from grading_policy import policy_test
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -146,6 +147,14 @@ def check_outgrown_is_ignored_and_the_small_one_runs(s, big, small) -> None:
 # --------------------------------------------------------------------------------------------
 # Part 2.1: admission and budgets
 # --------------------------------------------------------------------------------------------
+
+
+# Each part's first test: its regions follow the grading policy (tests/grading_policy.py).
+test_part1_follows_the_grading_policy = policy_test("2.1")
+test_part2_follows_the_grading_policy = policy_test("2.2")
+test_part3_follows_the_grading_policy = policy_test("2.3")
+test_part4_follows_the_grading_policy = policy_test("2.4")
+test_part5_follows_the_grading_policy = policy_test("2.5")
 
 
 def test_part1_admits_waiting_prompts_first_come_first_served_as_one_prefill_step():

@@ -21,6 +21,7 @@ import re
 import pytest
 import triton
 import triton.language as tl
+from grading_policy import policy_test
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis_settings import graded_settings
@@ -78,6 +79,17 @@ def assert_within_half_a_step(x: torch.Tensor, quantized: QuantizedTensor, back:
 
 
 # ---- Part 3.1: the Quantizer, INT8 per token ------------------------------------------------
+
+
+# Each part's first test: its regions follow the grading policy (tests/grading_policy.py).
+test_part1_follows_the_grading_policy = policy_test("3.1")
+test_part2_follows_the_grading_policy = policy_test("3.2")
+test_part3_follows_the_grading_policy = policy_test("3.3")
+test_part4_follows_the_grading_policy = policy_test("3.4")
+test_part5_follows_the_grading_policy = policy_test("3.5")
+test_part6_follows_the_grading_policy = policy_test("3.6")
+test_part7_follows_the_grading_policy = policy_test("3.7")
+test_part8_follows_the_grading_policy = policy_test("3.8")
 
 
 @pytest.mark.parametrize("bits", [3, 16, 0, 8.0, True, "8"])

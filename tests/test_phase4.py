@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import pytest
 import xxhash
+from grading_policy import policy_test
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from hypothesis_settings import graded_settings, run_counted_machine
@@ -163,6 +164,18 @@ def check_tree(cache: RadixCache) -> None:
 
 
 # ---- Part 4.1: the chained block hash -----------------------------------------------------
+
+
+# Each part's first test: its regions follow the grading policy (tests/grading_policy.py).
+test_part1_follows_the_grading_policy = policy_test("4.1")
+test_part2_follows_the_grading_policy = policy_test("4.2")
+test_part3_follows_the_grading_policy = policy_test("4.3")
+test_part4_follows_the_grading_policy = policy_test("4.4")
+test_part5_follows_the_grading_policy = policy_test("4.5")
+test_part6_follows_the_grading_policy = policy_test("4.6")
+test_part7_follows_the_grading_policy = policy_test("4.7")
+test_part8_follows_the_grading_policy = policy_test("4.8")
+test_part9_follows_the_grading_policy = policy_test("4.9")
 
 
 def test_part1_the_first_block_hashes_its_tokens_as_4_little_endian_bytes():

@@ -10,6 +10,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+from grading_policy import policy_test
 
 from vkv.engine.scheduler import SchedulerOutput
 from vkv.engine.sequence import SequenceStatus
@@ -114,6 +115,17 @@ def histogram(metrics: EngineMetrics, name: str) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------------
 # Part 5.1: the step
 # --------------------------------------------------------------------------------------------
+
+
+# Each part's first test: its regions follow the grading policy (tests/grading_policy.py).
+test_part1_follows_the_grading_policy = policy_test("5.1")
+test_part2_follows_the_grading_policy = policy_test("5.2")
+test_part3_follows_the_grading_policy = policy_test("5.3")
+test_part4_follows_the_grading_policy = policy_test("5.4")
+test_part5_follows_the_grading_policy = policy_test("5.5")
+test_part6_follows_the_grading_policy = policy_test("5.6")
+test_part7_follows_the_grading_policy = policy_test("5.7")
+test_part8_follows_the_grading_policy = policy_test("5.8")
 
 
 def test_part1_gauges_hold_the_state_the_step_left():

@@ -94,7 +94,8 @@ def assert_refused_in_region(edition: Path, path: str, bodies: dict[str, str]) -
     """The policy alone refuses the edition's ``path`` with those region bodies, for a rule
     their code breaks (not a syntax error of the attack, not a change outside the regions)."""
     text = (edition / path).read_text()
-    violation = check_file(path, in_regions(text, path, bodies).encode(), text, ASSIGNMENT.policy)
+    verdict = check_file(path, in_regions(text, path, bodies).encode(), text, ASSIGNMENT.policy)
+    violation = verdict.first
     assert violation is not None, "the policy lets the attack through"
     assert "in the region of part" in str(violation), str(violation)
 

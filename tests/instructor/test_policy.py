@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from vkv.assignment.parts import Assignment
-from vkv.assignment.policy import check_file
-from vkv.assignment.regions import stub_regions
+from vkv.assignment.policy import check_file, check_part
+from vkv.assignment.regions import find_regions, stub_regions
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSIGNMENT = Assignment.load(ROOT)
@@ -32,8 +32,8 @@ def with_body(code: str) -> tuple[bytes, int]:
 def test_the_reference_solution_passes_against_the_edition(path):
     reference = (ROOT / path).read_text()
     edition = stub_regions(reference, set(ASSIGNMENT.part_ids), path)
-    assert check_file(path, reference.encode(), edition, ASSIGNMENT.policy) is None
-    assert check_file(path, edition.encode(), edition, ASSIGNMENT.policy) is None
+    assert check_file(path, reference.encode(), edition, ASSIGNMENT.policy).first is None
+    assert check_file(path, edition.encode(), edition, ASSIGNMENT.policy).first is None
 
 
 @pytest.mark.parametrize(
@@ -54,14 +54,23 @@ def test_the_reference_solution_passes_against_the_edition(path):
         # names: locals, the module's given names, listed builtins
         ("return eval('1')", "`eval` is not allowed"),
         ("return open('tests/hidden/x.py')", "`open` is not allowed"),
-        ("return getattr(self, 'free')", "`getattr` is not allowed"),
-        ("return type(self)", "`type` is not allowed"),
+        ("return getattr(self, 'free')", None),
+        ("name = 'free'\nreturn getattr(self, name)", "getattr without a literal attribute name"),
+        ("return getattr(self.blocks[0], 'nope')", "the attribute `nope` of an object other"),
+        ("return hasattr(self, 'blocks')", None),
+        ("return type(self)", "type(...) as a value"),
+        ("raise TypeError(f'got {type(self).__name__}')", None),
+        ("kind = type\nreturn kind(self)", "type used as a value"),
+        ("return super(BlockAllocator, self).allocate()", "super() used otherwise than"),
+        ("return super().__init__()", "the dunder name __init__"),
         ("raise SystemExit(0)", "`SystemExit` is not allowed"),
         ("return dataclass", "`dataclass` is not allowed"),  # imported by block.py for itself
         ("import heapq\nh = heapq\nreturn h", "the module heapq used as a value"),
         ("queue = deque()\nqueue.append(len(self.blocks))\nprint(queue)", None),
         # attributes: anything on self; a public name of the vocabulary elsewhere
-        ("return self._free_block_ids.popleft()", None),
+        ("self._ids = deque()\nreturn self._ids.popleft()", None),  # the class defines it
+        ("return self._not_defined", "the private attribute _not_defined of self"),
+        ("return self.not_a_known_name", "the attribute `not_a_known_name` of self"),
         ("import collections\nreturn collections._sys", "the private attribute _sys"),
         ("return self.blocks[0]._private", "the private attribute _private"),
         ("other = BlockAllocator(self.device, 1)\nother._check_owned(self.blocks[0])", None),
@@ -69,9 +78,11 @@ def test_the_reference_solution_passes_against_the_edition(path):
         ("from vkv.engine.swapper import _private", "an import of the name _private"),
         ("return self.blocks[0].sys", "the forbidden attribute sys"),
         ("return self._free_block_ids.f_back", "the forbidden attribute f_back"),
-        ("return self.blocks[0].whatever", "the attribute `whatever` is not allowed"),
+        ("return self.blocks[0].whatever", "the attribute `whatever` of an object other than"),
         ("return self.__class__", "the dunder name __class__"),
-        ("return '{}'.format(len)", "the attribute `format` is not allowed"),
+        ("return '{} of {}'.format(1, len(self.blocks))", None),
+        ("text = '{}'\nreturn text.format(len)", "the attribute format of an object other"),
+        ("return '{}'.format_map({})", "the attribute format_map of"),
         ("return dict(__eq__=1)", "the dunder name __eq__"),
         # attribute assignment: on self, parameters, locals, what a call made
         ("self.blocks[0].ref_count = 1\nreturn self.blocks[0]", None),
@@ -90,18 +101,20 @@ def test_the_reference_solution_passes_against_the_edition(path):
         ("class Anything:\n    pass", "a class definition is not allowed"),
         ("global Block", "a global declaration is not allowed"),
         ("match self:\n    case Block(ref_count=r):\n        return r", "a match statement"),
-        ("yield 1", "yield is not allowed"),
+        ("yield 1", None),
+        ("total = 0\ndef add(n):\n    nonlocal total\n    total += n", None),
         ("def helper(x):\n    return x\nreturn helper(self.blocks[0])", None),
-        ("def helper(x, y=len):\n    return y(x)", "a default value"),
+        ("def helper(x, y=len):\n    return y(x)", None),
+        ("def helper(x, y=open):\n    return y(x)", "`open` is not allowed"),
         ("return sorted(self.blocks, key=lambda b: b.block_id)[0]", None),
-        ("return sorted(self.blocks, key=lambda b, f=len: f(b))", "a default value"),
-        ("assert self.blocks, 'no blocks'\nwith self.evictor:\n    pass", None),
+        ("return sorted(self.blocks, key=lambda b, f=len: f(b))", None),
+        ("assert self.blocks, 'no blocks'\nwith self.blocks[0]:\n    pass", None),
         ("if (n := len(self.blocks)) > 0:\n    return {b: n for b in self.blocks}", None),
     ],
 )
 def test_each_rule_names_itself_and_its_line(code, rule):
     data, line = with_body(code)
-    violation = check_file(BLOCK, data, EDITION, ASSIGNMENT.policy)
+    violation = check_file(BLOCK, data, EDITION, ASSIGNMENT.policy).first
     if rule is None:
         assert violation is None, violation
         return
@@ -114,7 +127,7 @@ def test_each_rule_names_itself_and_its_line(code, rule):
 def test_code_outside_the_regions_is_refused_at_its_line():
     lines = EDITION.splitlines(keepends=True)
     lines.insert(3, "import os\n")
-    violation = check_file(BLOCK, "".join(lines).encode(), EDITION, ASSIGNMENT.policy)
+    violation = check_file(BLOCK, "".join(lines).encode(), EDITION, ASSIGNMENT.policy).first
     assert violation.rule == "code outside the solution regions changed" and violation.line == 4
 
 
@@ -123,14 +136,14 @@ def test_a_part_that_imports_a_module_may_name_it():
 
     policy = replace(
         ASSIGNMENT.policy,
-        part_imports=(("1.2", ("torch",)),),
-        part_attributes=(("1.2", frozenset({"zeros"})),),
+        part_imports={"1.2": ("torch",)},
+        part_attributes={"1.2": frozenset({"zeros"})},
     )
     data, _ = with_body("import torch\nreturn torch.zeros(1)")
-    assert check_file(BLOCK, data, EDITION, policy) is None
-    assert check_file(BLOCK, data, EDITION, ASSIGNMENT.policy) is not None
+    assert check_file(BLOCK, data, EDITION, policy).first is None
+    assert check_file(BLOCK, data, EDITION, ASSIGNMENT.policy).first is not None
     data, _ = with_body("import torch\nreturn torch.load('tests/hidden/test_phase1_hidden.py')")
-    violation = check_file(BLOCK, data, EDITION, policy)
+    violation = check_file(BLOCK, data, EDITION, policy).first
     assert violation is not None and "the forbidden attribute load" in violation.rule, violation
 
 
@@ -148,8 +161,8 @@ QUANTIZER_EDITION = stub_regions(
         ("return torch.serialization", "the forbidden attribute serialization"),
         ("return torch._C", "the private attribute _C"),
         ("return torch.hub.os", "the forbidden attribute os"),
-        ("return torch.testing", "the attribute `testing` is not allowed"),
-        ("return torch.fx", "the attribute `fx` is not allowed"),
+        ("return torch.testing", "the attribute `testing` of the module torch is not allowed"),
+        ("return torch.fx", "the attribute `fx` of the module torch is not allowed"),
         ("torch.zeros = torch.ones", "setting an attribute of torch"),
         ("torch.equal = torch.eq", "setting an attribute of torch"),
         ("return codes.clamp_(0, 15).new_zeros(1).to(torch.bfloat16)", None),
@@ -164,7 +177,8 @@ def test_a_part_that_imports_torch_reaches_only_the_listed_operations(code, rule
     lines = QUANTIZER_EDITION.splitlines(keepends=True)
     at = next(i for i, line in enumerate(lines) if line.startswith(stub))
     lines[at] = "".join(f"    {line}\n" for line in code.splitlines())
-    violation = check_file(QUANTIZER, "".join(lines).encode(), QUANTIZER_EDITION, ASSIGNMENT.policy)
+    data = "".join(lines).encode()
+    violation = check_file(QUANTIZER, data, QUANTIZER_EDITION, ASSIGNMENT.policy).first
     if rule is None:
         assert violation is None, violation
     else:
@@ -173,7 +187,7 @@ def test_a_part_that_imports_torch_reaches_only_the_listed_operations(code, rule
 
 def test_an_unknown_name_says_what_is_allowed():
     data, line = with_body("return frobnicate(self)")
-    said = str(check_file(BLOCK, data, EDITION, ASSIGNMENT.policy))
+    said = str(check_file(BLOCK, data, EDITION, ASSIGNMENT.policy).first)
     rule = "`frobnicate` is not allowed in the region of part 1.2"
     assert said.startswith(f"not graded: {rule} at line {line} of {BLOCK} (allowed: "), said
     allowed = said.split("(allowed: ", 1)[1]
@@ -188,7 +202,7 @@ def test_a_line_break_other_than_newline_is_refused(separator):
     """A comment holding a line break only ``str.splitlines`` sees: two readings of one file."""
     data, line = with_body("# a comment SEPARATOR return 1")
     data = data.replace(b" SEPARATOR ", separator.encode())
-    violation = check_file(BLOCK, data, EDITION, ASSIGNMENT.policy)
+    violation = check_file(BLOCK, data, EDITION, ASSIGNMENT.policy).first
     assert violation is not None and "a line break other than \\n" in violation.rule, violation
     assert violation.line == line
 
@@ -201,3 +215,27 @@ def test_the_policy_lists_what_honest_code_needs():
         assert name in vocabulary, name
     assert not vocabulary & (ASSIGNMENT.policy.forbidden_attributes | {"format", "format_map"})
     assert "amax" in ASSIGNMENT.policy.vocabulary("3.1") and "amax" not in vocabulary
+    # per module: math's functions are math's, never a name on any object or on torch
+    assert "sqrt" in ASSIGNMENT.policy.module_vocabulary("2.2", "math")
+    assert "sqrt" not in vocabulary
+    assert "isqrt" not in ASSIGNMENT.policy.module_vocabulary("3.1", "torch")
+
+
+HONEST = Path(__file__).parent / "honest"
+
+
+@pytest.mark.parametrize(
+    "file", sorted(HONEST.rglob("*.py")), ids=lambda file: file.relative_to(HONEST).as_posix()
+)
+def test_the_honest_corpus_is_admitted(file):
+    """``honest/<phases>-<style>/``: every part solved blind from the handouts and the stubs,
+    by three students of different styles (plain; idiomatic: comprehensions, functools,
+    generators, super(); defensive: getattr, type(x).__name__, str.format, typing, copy). The
+    policy refuses none of it, by ``vkv grade``'s check nor by each part's first test."""
+    style = HONEST / file.relative_to(HONEST).parts[0]
+    path = file.relative_to(style).as_posix()
+    edition = stub_regions((ROOT / path).read_text(), set(ASSIGNMENT.part_ids), path)
+    text = file.read_text()
+    assert check_file(path, text.encode(), edition, ASSIGNMENT.policy).first is None
+    for part in {region.part for region in find_regions(text, path) if not region.is_stub}:
+        assert check_part(path, text, part, ASSIGNMENT.policy).first is None

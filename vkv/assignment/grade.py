@@ -17,9 +17,12 @@ byte, and runs the trusted tests on it:
   it saw;
 - a file the submission changed outside ``editable`` is reported as "not graded: protected file
   modified" and ignored;
-- an editable file that breaks the static policy (``policy.py``: code outside the solution
-  regions, forbidden imports and names...) is not graded: the edition's copy stays, and the
-  parts with a region in it score 0, "not graded" with the rule and its line;
+- a solution region that breaks the static policy (``policy.py``: forbidden imports, names,
+  attributes...) is not graded: its stub takes its place, and its part alone scores 0, "not
+  graded" with the rule and its line; the file's other regions are graded as submitted. A file
+  that breaks a rule of the file as a whole (code outside the solution regions changed, not
+  UTF-8, a syntax error) is not graded at all: the edition's copy stays, and every part with a
+  region in it scores 0;
 - each test process starts from a clean interpreter (no editable install, no project root on
   its path) and, where bubblewrap works, inside an OS sandbox that sees only its own tree
   (``sandbox.py``); a part's hidden tests run in a process of their own, so no visible test's
@@ -67,7 +70,7 @@ from pathlib import Path
 
 from vkv.assignment import sandbox
 from vkv.assignment.parts import GRADED_TEST_FILE, Assignment, Part, part_of_test
-from vkv.assignment.policy import Violation, check_file
+from vkv.assignment.policy import Verdict, Violation, check_file, graded_text
 from vkv.assignment.regions import RegionError, find_regions, restore_regions, stub_regions
 
 SKIPPED_NAMES = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
@@ -164,7 +167,7 @@ class GradeReport:
     parts: list[PartResult]
     protected_modified: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # graded file -> sha256
-    not_graded: dict[str, str] = field(default_factory=dict)  # file -> the policy's reason
+    not_graded: dict[str, str] = field(default_factory=dict)  # file -> the policy's reasons
     isolated: list[PartResult] | None = None
     sandboxed: bool = False
     progress_check: bool = True
@@ -258,7 +261,7 @@ def grade(
         parts=[result(part, False) for part in assignment.parts],
         protected_modified=protected_changes(submission, trusted, assignment),
         files=files,
-        not_graded={str(v.path): str(v) for v in not_graded.values()},
+        not_graded=_reasons_by_file(not_graded.values()),
         isolated=[result(part, True) for part in assignment.parts] if reference else None,
         sandboxed=sandboxed,
         progress_check=not sandboxed or self_graded,
@@ -267,6 +270,16 @@ def grade(
     )
     report.execution_time = round(time.monotonic() - started, 2)
     return report
+
+
+def _reasons_by_file(violations) -> dict[str, str]:
+    """The policy's reasons, one line per file (a file may have several refused regions)."""
+    by_file: dict[str, list[str]] = {}
+    for violation in violations:
+        reasons = by_file.setdefault(violation.path, [])
+        if str(violation) not in reasons:
+            reasons.append(str(violation))
+    return {path: "; ".join(reasons) for path, reasons in by_file.items()}
 
 
 def _progress_note(sandboxed: bool, self_graded: bool) -> str:
@@ -287,10 +300,12 @@ def check_submission(
 ) -> tuple[dict[str, bytes], dict[str, Violation], dict[str, str]]:
     """Check each editable file of the submission against the policy (``policy.py``).
 
-    Returns the bytes of each file that passed (those the policy read, to be written as they
-    are), the first violation of each part with a region in a file that did not (that file is
-    not graded: the edition's copy stays), and the sha256 of every submitted file. A file that
-    is missing, a link or unreadable is not submitted: the edition's copy stays.
+    Returns the bytes of each file to grade (as submitted, but with each region the policy
+    refused replaced by the edition's stub), the violation of each part that is not graded (a
+    refused region's own, or the file's where the file as a whole was refused: then the
+    edition's copy stays, and every part with a region in it is not graded), and the sha256 of
+    every submitted file. A file that is missing, a link or unreadable is not submitted: the
+    edition's copy stays.
     """
     submitted: dict[str, bytes] = {}
     not_graded: dict[str, Violation] = {}
@@ -305,12 +320,17 @@ def check_submission(
             continue
         files[path] = hashlib.sha256(data).hexdigest()
         edition = (base / path).read_text()
-        violation = check_file(path, data, edition, assignment.policy) if enforce_policy else None
-        if violation is None:
-            submitted[path] = data
+        verdict = Verdict()
+        if enforce_policy:
+            verdict = check_file(path, data, edition, assignment.policy)
+        if verdict.whole_file is not None:
+            for region in find_regions(edition, path):
+                not_graded.setdefault(region.part, verdict.whole_file)
             continue
-        for region in find_regions(edition, path):
-            not_graded.setdefault(region.part, violation)
+        not_graded |= verdict.regions
+        if verdict.regions:
+            data = graded_text(data.decode("utf-8"), edition, verdict, path).encode("utf-8")
+        submitted[path] = data
     return submitted, not_graded, files
 
 
@@ -618,6 +638,7 @@ def _run_part(tree: Path, ids: list[str], settings: Settings) -> RunResult:
             settings.seed,
             VKV_GRADE_REPORT_FD=str(write_end),
             VKV_GRADE_TEST_TIMEOUT=str(settings.timeout),
+            VKV_GRADE_PRIVATE_TMP="1" if settings.sandboxed else "0",
         ),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,

@@ -31,6 +31,19 @@ The parent writes the checked result to the grader's pipe, one line per phase:
 failed whatever it reported), and last ``{"event": "finished", "tampered": None | str}``, which
 tells the grader the session was not cut short.
 
+**Nothing of a test reaches the next one.** Each child runs in a fresh scratch folder of its own
+(its ``TMPDIR`` and ``HOME``), deleted after the test; the parent is the *subreaper* of every
+process a test starts (``PR_SET_CHILD_SUBREAPER``), so that a daemon that left the test's
+process group is still its child, and kills them all after each test; where ``/tmp`` is the
+run's own (the sandbox's, ``VKV_GRADE_PRIVATE_TMP=1``), whatever a test added there is deleted
+too.
+
+**What a student sees of a failure is what the test chose to say** (``_shown``): a visible
+test's failed assertion shows its message, any other exception its type and the first line of
+its message; a hidden test shows one line (an assertion failed, or which exception was raised).
+Never the traceback, whose source lines would carry the hidden test's code, or under
+``--isolate`` the reference's, into the student's report.
+
 pytest-forked does the same fork per test, but its child inherits every file descriptor of the
 parent (the grader's pipe included) and its report comes back unchecked, so it is not used.
 
@@ -61,9 +74,12 @@ import importlib
 import json
 import operator
 import os
+import re
 import select
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Callable, Mapping
@@ -102,6 +118,10 @@ PART_MODULES = (
     "itertools",
     "xxhash",
     "struct",
+    "functools",
+    "operator",
+    "copy",
+    "typing",
 )
 TAMPERED = "pytest was tampered with"
 PHASES = ("setup", "call", "teardown")
@@ -111,6 +131,10 @@ MAX_MESSAGE = 4000
 CHILD_GRACE = 1.0  # seconds to wait for the pipe's end after the child exited
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+STUB_FAILURE = re.compile(r"NotImplementedError: part \d+\.\d+:.{0,200}")
+EXCEPTION_NAME = re.compile(r"[A-Za-z_][\w.]{0,79}")
+HIDDEN_DIR = "tests/hidden/"
 CHILD_FAILED = 70  # the child's status when its own protocol raised
 
 
@@ -226,8 +250,12 @@ Result = tuple[list[tuple[str, str, str]], str | None]  # (when, outcome, messag
 
 
 class Reporter:
-    def __init__(self, config: pytest.Config, fd: int, test_timeout: float) -> None:
+    def __init__(
+        self, config: pytest.Config, fd: int, test_timeout: float, private_tmp: bool
+    ) -> None:
         self.config = config
+        self.private_tmp = private_tmp
+        self.tmp_entries = set(os.listdir(tempfile.gettempdir()))
         self.pid = os.getpid()
         self.out = os.fdopen(fd, "w", encoding="utf-8")
         self.test_timeout = test_timeout
@@ -312,9 +340,10 @@ class Reporter:
     def run_alone(self, item: pytest.Item) -> Result:
         """Fork a child to run ``item``; its reports, checked, or a flagged failure."""
         read_end, write_end = os.pipe()
+        scratch = tempfile.mkdtemp(prefix="vkv-test-")
         pid = os.fork()
         if pid == 0:
-            self.child(item, write_end)  # never returns
+            self.child(item, write_end, scratch)  # never returns
         os.close(write_end)
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid)
@@ -322,18 +351,47 @@ class Reporter:
             data, status, problem = self.read_child(pid, read_end)
         finally:
             os.close(read_end)
+            self.clean_up(scratch)
         if problem is not None:
             return [("call", "failed", problem)], problem
         return _checked(item, data, status)
 
-    def child(self, item: pytest.Item, write_end: int) -> None:
-        """In the child: run the test, check the guard, send the reports, leave."""
+    def clean_up(self, scratch: str) -> None:
+        """After a test: kill every process it left (this process is their subreaper, so even a
+        daemon that left the test's process group is its child now), delete its scratch folder
+        and, where ``/tmp`` is this run's own (the sandbox's), whatever the test put there."""
+        for _ in range(100):
+            children = _children()
+            if not children:
+                break
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in children:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+        shutil.rmtree(scratch, ignore_errors=True)
+        if self.private_tmp:
+            tmp = tempfile.gettempdir()
+            for name in set(os.listdir(tmp)) - self.tmp_entries:
+                path = os.path.join(tmp, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+
+    def child(self, item: pytest.Item, write_end: int, scratch: str) -> None:
+        """In the child: run the test in a fresh scratch folder (its ``TMPDIR`` and ``HOME``),
+        check the guard, send the reports, leave."""
         status = CHILD_FAILED
         try:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed run takes its test along
             if os.getppid() != self.pid:
                 return
             os.setpgid(0, 0)
+            os.environ["TMPDIR"] = os.environ["HOME"] = scratch
+            tempfile.tempdir = None
             os.closerange(3, write_end)
             os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
             reports = runtestprotocol(item, nextitem=None, log=False)
@@ -449,11 +507,46 @@ def _record_problem(
             report = item.config.hook.pytest_report_from_serializable(
                 config=item.config, data=record
             )
-            message = str(report.longrepr)[-MAX_MESSAGE:]
+            message = _shown(report.longrepr, item.nodeid.startswith(HIDDEN_DIR))
         except Exception as exc:  # any shape pytest cannot read back is malformed
             return f"malformed report record: {type(exc).__name__} reading its failure"
     phases[when] = (outcome, message)
     return None
+
+
+def _shown(longrepr: object, hidden: bool) -> str:
+    """What a student is shown of a failure: what the test chose to say, never the traceback
+    (its source lines would show the hidden test's code, or under ``--isolate`` the reference's).
+
+    A visible test's failed assertion (or ``pytest.fail``) shows its message; any other
+    exception its type and the first line of its message. A hidden test shows one line: that an
+    assertion failed, or which exception was raised. A stub's ``NotImplementedError: part X.Y:``
+    line is kept as it is, so that the grader can tell a part not started.
+    """
+    crash = getattr(longrepr, "reprcrash", None)
+    text = str(crash.message if crash is not None else longrepr)
+    if text.startswith(f"{TAMPERED}: "):
+        return text[:MAX_MESSAGE]
+    stub = STUB_FAILURE.match(text)
+    if stub is not None:
+        return stub[0]
+    first = text.split("\n", 1)[0]
+    kind = first.split(":", 1)[0].strip()
+    kind = kind if EXCEPTION_NAME.fullmatch(kind) else "an exception"
+    assertion = kind in ("AssertionError", "Failed")
+    if hidden:
+        return "a hidden assertion failed" if assertion else f"{kind} raised"
+    return text[:MAX_MESSAGE] if assertion else first[:300]
+
+
+def _children() -> list[int]:
+    """The pids of this process's living children (``/proc``'s list of each of its threads)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+                found += [int(pid) for pid in f.read().split()]
+    return found
 
 
 def _prctl(option: int, value: int) -> None:
@@ -477,8 +570,11 @@ def pytest_configure(config: pytest.Config) -> None:
             "vkv.assignment.reporter runs each test in a child process that closes the "
             "capture's files: run pytest with --capture=no"
         )
+    private_tmp = os.environ.pop("VKV_GRADE_PRIVATE_TMP", "") == "1"
     _prctl(PR_SET_DUMPABLE, 0)  # no process of this user may ptrace it or open its fds
-    config.pluginmanager.register(Reporter(config, int(fd), test_timeout), "vkv-grade-reporter")
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a test leaves running is adopted here, and killed
+    reporter = Reporter(config, int(fd), test_timeout, private_tmp)
+    config.pluginmanager.register(reporter, "vkv-grade-reporter")
 
 
 _ = builtins  # guarded by name in GUARDED_MODULES; imported so that it is in sys.modules
