@@ -259,3 +259,35 @@ def test_a_test_finds_nothing_a_previous_test_left(edition, tmp_path, request, s
         if t.hidden
     }
     assert hidden_tests["test_part1_b_finds_nothing_left"][0] == "passed", hidden_tests
+
+
+# ---- the other side: honest idioms are graded as they run ------------------------------------
+
+HONEST_IDIOMS = {  # (file, the reference's line, the same written another honest way)
+    "4.8": (
+        "vkv/engine/prefix_caching.py",
+        "        BlockManager.free(self, seq)\n",
+        "        super().free(seq)\n",
+    ),
+    "3.6": (
+        "vkv/kernels/quantized.py",
+        "    weights = torch.softmax(scores, dim=-1)\n",
+        "    weights = torch.nn.functional.softmax(scores, dim=-1)\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("part", HONEST_IDIOMS)
+def test_an_honest_idiom_scores_full_points(edition, tmp_path, part):
+    """The round's two honest submissions: ``super().free(seq)`` in part 4.8 and
+    ``torch.nn.functional.softmax`` in part 3.6 pass their part's first test (the policy) and
+    score the part's full points."""
+    path, line, honest_line = HONEST_IDIOMS[part]
+    submission = submission_with(edition, tmp_path, {}, solved=set(ASSIGNMENT.part_ids))
+    text = (submission / path).read_text()
+    assert text.count(line) == 1, f"the reference's line moved: {line!r}"
+    (submission / path).write_text(text.replace(line, honest_line))
+    result = grade(submission, edition, parts={part}, timeout=TIMEOUT)
+    (graded,) = result.parts
+    assert graded.score == graded.part.points, (graded.status, graded.detail)
+    assert any("follows_the_grading_policy" in test.nodeid for test in graded.tests)

@@ -81,6 +81,7 @@ region at the node limit).
 """
 
 import ast
+import bisect
 import collections
 import functools
 import importlib
@@ -91,7 +92,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vkv.assignment.region_check import DUNDER, PRIVATE_IDENTIFIER, RegionCheck, names_of_class
+from vkv.assignment.region_check import (
+    DUNDER,
+    MAX_REGION_NODES,
+    PRIVATE_IDENTIFIER,
+    RegionCheck,
+    names_of_class,
+    region_nodes,
+)
 from vkv.assignment.regions import (
     RegionError,
     find_regions,
@@ -287,11 +295,17 @@ def _verdict(path: str, data: bytes, edition: str, policy: Policy) -> Verdict:
 
 def _region_verdict(path: str, tree: ast.Module, regions: list, policy: Policy) -> Verdict:
     module_names = _module_names(tree)
+    lines, nodes = region_nodes(tree)
     refused: dict[str, Violation] = {}
     for region in regions:
         if region.is_stub or region.part in refused:  # a stub: the edition's own line
             continue
-        found = RegionCheck(tree, region, policy, module_names).first_violation()
+        first, last = region.begin + 2, region.end  # 1-based lines inside the markers
+        own = nodes[bisect.bisect_left(lines, first) : bisect.bisect_right(lines, last)]
+        if len(own) > MAX_REGION_NODES:
+            found = (first, f"a region of {len(own)} syntax nodes", f"at most {MAX_REGION_NODES}")
+        else:
+            found = RegionCheck(tree, region, policy, module_names, own).first_violation()
         if found is not None:
             line, rule, allowed = found
             refused[region.part] = Violation(

@@ -80,17 +80,21 @@ Found = tuple[str, str]  # the rule broken, what is allowed instead ("" if nothi
 class RegionCheck:
     """One region of a parsed file against the policy (see ``policy.py``)."""
 
-    def __init__(self, tree: ast.Module, region: Region, policy, module_names: dict) -> None:
+    def __init__(
+        self,
+        tree: ast.Module,
+        region: Region,
+        policy,
+        module_names: dict,
+        nodes: list[ast.AST],
+    ) -> None:
+        """``nodes``: the file's nodes on the region's lines (``region_nodes``)."""
         self.part = region.part
         self.policy = policy
-        self.first, self.last = region.begin + 2, region.end  # 1-based lines inside the markers
-        self.tree = tree
+        self.last = region.end  # the END marker's line (1-based)
         self.function, self.owner = _enclosing_function(tree, region.begin + 1)
-        self.parents = {
-            child: node for node in ast.walk(self.function) for child in ast.iter_child_nodes(node)
-        }
-        self.bindings = _bindings(self.function)
-        self.modules = _imported_modules(self.function)
+        self.parents, self.bindings, self.modules, unevaluated = _read_function(self.function)
+        self.nodes = [node for node in nodes if id(node) not in unevaluated]
         # module-level names this part may use: name -> the module it is, or None
         self.given = {
             name: module
@@ -106,31 +110,15 @@ class RegionCheck:
             names_of_class(self.owner) if self.owner else set()
         )
         self.object_vocabulary = policy.vocabulary(self.part)
-        self.unevaluated = {
-            id(inner)
-            for node in ast.walk(self.function)
-            if isinstance(node, ast.AnnAssign)
-            for inner in ast.walk(node.annotation)
-        }
 
     def first_violation(self) -> tuple[int, str, str] | None:
         """(line, rule, allowed) of the region's first violation, or None."""
-        nodes = [
-            node
-            for node in ast.walk(self.tree)
-            if self.first <= getattr(node, "lineno", 0) <= self.last
-            and id(node) not in self.unevaluated
-        ]
-        if len(nodes) > MAX_REGION_NODES:
-            return (
-                self.first,
-                f"a region of {len(nodes)} syntax nodes",
-                (f"at most {MAX_REGION_NODES}"),
-            )
-        rebinding = next((n for n in nodes if "self" in _names_bound_by(n, self.function)), None)
+        rebinding = next(
+            (node for node in self.nodes if "self" in _names_bound_by(node, self.function)), None
+        )
         if rebinding is not None:  # said first: every attribute on it is then refused too
             return rebinding.lineno, self._binding_rule("self") or "", ""
-        for node in nodes:
+        for node in self.nodes:
             found = self._rule_broken(node)
             if found is not None:
                 rule, allowed = found if isinstance(found, tuple) else (found, "")
@@ -208,12 +196,10 @@ class RegionCheck:
         return None
 
     def _module_offers(self, module: str, name: str) -> bool:
-        """Whether ``from module import name`` is allowed: a name of the module's vocabulary,
-        or a submodule the part may import."""
-        if name in self.policy.forbidden_for(self.part):
-            return False
+        """Whether ``from module import name`` is allowed: a name of the module's vocabulary
+        (a submodule too, where the vocabulary lists it: ``from torch.nn import functional``)."""
         offered = self.policy.module_vocabulary(self.part, module)
-        return name in offered or self.policy.may_import(self.part, f"{module}.{name}")
+        return name in offered and name not in self.policy.forbidden_for(self.part)
 
     def _name_rule(self, node: ast.Name) -> str | Found | None:
         name = node.id
@@ -389,15 +375,43 @@ def _enclosing_function(tree: ast.Module, line: int) -> tuple[ast.FunctionDef, a
     return found
 
 
-def _bindings(function: ast.FunctionDef) -> dict[str, list[ast.AST]]:
-    """Every name the function binds, with the nodes that bind it: parameters, assignment,
-    loop, with, comprehension and walrus targets, imports, except names, nested defs,
-    nonlocal declarations."""
-    bound: dict[str, list[ast.AST]] = {}
+def region_nodes(tree: ast.Module) -> tuple[list[int], list[ast.AST]]:
+    """Every node of the file that has a line, sorted by line: the lines, and the nodes (a
+    region's nodes are then one slice of them, found by bisection)."""
+    located = sorted(
+        (
+            (node.lineno, index, node)
+            for index, node in enumerate(ast.walk(tree))
+            if hasattr(node, "lineno")
+        ),
+        key=lambda entry: entry[:2],
+    )
+    return [line for line, _, _ in located], [node for _, _, node in located]
+
+
+def _read_function(function: ast.FunctionDef) -> tuple[dict, dict, dict, set[int]]:
+    """What the check needs of the region's function, in one walk: each node's parent; every
+    name the function binds with the nodes that bind it (parameters, assignment, loop, with,
+    comprehension and walrus targets, imports, except names, nested defs, nonlocal); the names
+    bound by ``import`` (never ``from ... import``) and the module each stands for (``import
+    a.b`` binds ``a``; ``import a.b as c`` binds ``c`` to ``a.b``); and the ids of the nodes of
+    local annotations, which Python never evaluates in a function."""
+    parents: dict[ast.AST, ast.AST] = {}
+    bindings: dict[str, list[ast.AST]] = {}
+    modules: dict[str, str] = {}
+    unevaluated: set[int] = set()
     for node in ast.walk(function):
+        for child in ast.iter_child_nodes(node):
+            parents[child] = node
         for name in _names_bound_by(node, function):
-            bound.setdefault(name, []).append(node)
-    return bound
+            bindings.setdefault(name, []).append(node)
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound = alias.asname or alias.name.split(".")[0]
+                modules[bound] = alias.name if alias.asname else bound
+        elif isinstance(node, ast.AnnAssign):
+            unevaluated |= {id(inner) for inner in ast.walk(node.annotation)}
+    return parents, bindings, modules, unevaluated
 
 
 def _names_bound_by(node: ast.AST, function: ast.FunctionDef) -> tuple[str, ...]:
@@ -417,19 +431,6 @@ def _bound_by(node: ast.AST, function: ast.FunctionDef) -> Iterator[str]:
         yield node.name
     elif isinstance(node, ast.Nonlocal | ast.Global):
         yield from node.names
-
-
-def _imported_modules(function: ast.FunctionDef) -> dict[str, str]:
-    """The names the function binds by ``import`` (never ``from ... import``): name -> the
-    module it stands for (``import a.b`` binds ``a``; ``import a.b as c`` binds ``c`` to
-    ``a.b``)."""
-    modules = {}
-    for node in ast.walk(function):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                bound = alias.asname or alias.name.split(".")[0]
-                modules[bound] = alias.name if alias.asname else bound
-    return modules
 
 
 def _bound_values(nodes: list[ast.AST], parents: dict[ast.AST, ast.AST]) -> Iterator[ast.expr]:

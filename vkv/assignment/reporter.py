@@ -47,16 +47,16 @@ Never the traceback, whose source lines would carry the hidden test's code, or u
 pytest-forked does the same fork per test, but its child inherits every file descriptor of the
 parent (the grader's pipe included) and its report comes back unchecked, so it is not used.
 
-**The guard.** When pytest is configured, before any test module (and so any submitted code) is
-imported, it records the identity of every function, class and descriptor (and each function's
-code object) of pytest's runner, reports and collection machinery, of the ``pytest`` namespace,
-of ``builtins``, of Hypothesis and of this module, and of the members of their classes, with
-the hooks and the registered plugins (when the session starts, just before collection). The
-modules a part may import (``PART_MODULES``: torch, ``torch.nn.functional``, ``math``,
-``heapq``...) are recorded the same way, when the session starts if they are imported then, else
-after collection. Each test item's function (``obj``, ``_obj``, ``function``) and its code are
-recorded after collection and checked before and after the test runs, and no profile or trace
-function may be installed. The child checks all of it after its test: a change makes its
+**The guard** (``guard.py``). When pytest is configured, before any test module (and so any
+submitted code) is imported, it records the identity of every function, class and descriptor
+(and each function's code object) of pytest's runner, reports and collection machinery, of the
+``pytest`` namespace, of ``builtins``, of Hypothesis and of this module, and of the members of
+their classes, with the hooks and the registered plugins (when the session starts, just before
+collection). The modules a part may import (``PART_MODULES``: torch, ``torch.nn.functional``,
+``math``, ``heapq``...) are recorded the same way, when the session starts if they are imported
+then, else after collection. Each test item's function (``obj``, ``_obj``, ``function``) and its
+code are recorded after collection and checked before and after the test runs, and no profile or
+trace function may be installed. The child checks all of it after its test: a change makes its
 test fail (the call's report, else the setup's, says "pytest was tampered with: torch.equal",
 say), which the parent flags. The parent checks it after collection and after every test: a
 change there (only code run at collection could make one) marks every later test and the
@@ -72,7 +72,6 @@ import builtins
 import contextlib
 import importlib
 import json
-import operator
 import os
 import re
 import select
@@ -81,14 +80,15 @@ import signal
 import sys
 import tempfile
 import time
-import types
-from collections.abc import Callable, Mapping
 
 import pytest
 from _pytest.runner import runtestprotocol
 
+from vkv.assignment.guard import Guard
+
 GUARDED_MODULES = (
     "vkv.assignment.reporter",
+    "vkv.assignment.guard",
     "json",
     "json.encoder",
     "hypothesis.core",
@@ -136,102 +136,6 @@ STUB_FAILURE = re.compile(r"NotImplementedError: part \d+\.\d+:.{0,200}")
 EXCEPTION_NAME = re.compile(r"[A-Za-z_][\w.]{0,79}")
 HIDDEN_DIR = "tests/hidden/"
 CHILD_FAILED = 70  # the child's status when its own protocol raised
-
-
-class Guard:
-    """The identity of every function, class and descriptor of some namespaces, kept live.
-
-    ``add_module`` records a module's namespace and those of its classes; ``changed`` names the
-    first entry that is no longer the same object (or whose function has other code), is gone,
-    or is new and callable, and None if there is none. Data entries may change. A check runs
-    at C speed (``itemgetter``, ``map``) and names the entry only when it found a change.
-    """
-
-    def __init__(self) -> None:
-        self.modules: dict[str, object] = {}
-        self.namespaces: list[Namespace] = []
-
-    def add_module(self, name: str) -> None:
-        module = sys.modules.get(name)
-        self.modules[name] = module
-        if module is None:
-            return
-        self.add_namespace(name, vars(module))
-        for attr, value in list(vars(module).items()):
-            if isinstance(value, type):
-                self.add_namespace(f"{name}.{attr}", vars(value))
-
-    def add_namespace(self, prefix: str, namespace: Mapping) -> None:
-        self.namespaces.append(Namespace(prefix, namespace))
-
-    def changed(self) -> str | None:
-        for name, module in self.modules.items():
-            if sys.modules.get(name) is not module:
-                return f"sys.modules[{name}]"
-        for namespace in self.namespaces:
-            found = namespace.changed()
-            if found is not None:
-                return found
-        return None
-
-
-class Namespace:
-    """One guarded namespace (a module's or a class's ``__dict__``, read live)."""
-
-    def __init__(self, prefix: str, namespace: Mapping) -> None:
-        self.prefix = prefix
-        self.namespace = namespace
-        self.keys = frozenset(namespace)
-        entries = {key: value for key, value in list(namespace.items()) if _behaves(value)}
-        self.names = tuple(entries)
-        self.values = tuple(entries.values())
-        self.get = _getter(self.names)
-        functions = {key: _function(value) for key, value in entries.items()}
-        self.functions = tuple((k, f) for k, f in functions.items() if f is not None)
-        self.codes = tuple(f.__code__ for _, f in self.functions)
-
-    def changed(self) -> str | None:
-        try:
-            same = all(map(operator.is_, self.get(self.namespace), self.values))
-        except KeyError:
-            same = False
-        if not same:
-            for key, value in zip(self.names, self.values, strict=True):
-                if self.namespace.get(key, _MISSING) is not value:
-                    return f"{self.prefix}.{key}"
-        code = map(operator.attrgetter("__code__"), (f for _, f in self.functions))
-        if not all(map(operator.is_, code, self.codes)):
-            for (key, function), code in zip(self.functions, self.codes, strict=True):
-                if function.__code__ is not code:
-                    return f"{self.prefix}.{key}"
-        if self.namespace.keys() != self.keys:
-            for key in self.namespace.keys() - self.keys:
-                if _behaves(self.namespace.get(key)):
-                    return f"{self.prefix}.{key}"
-            self.keys = frozenset(self.namespace)  # data entries only: they may change
-        return None
-
-
-_MISSING = object()
-
-
-def _getter(names: tuple[str, ...]) -> Callable[[Mapping], tuple]:
-    """A function from a namespace to the tuple of its values at ``names``."""
-    if len(names) > 1:
-        return operator.itemgetter(*names)
-    return lambda namespace: tuple(namespace[name] for name in names)
-
-
-def _function(value: object) -> types.FunctionType | None:
-    """The Python function behind a function, static or class method (its code can be
-    swapped), else None."""
-    function = value.__func__ if isinstance(value, staticmethod | classmethod) else value
-    return function if isinstance(function, types.FunctionType) else None
-
-
-def _behaves(value: object) -> bool:
-    """Whether the value is code (a function, a class, a descriptor), not data pytest caches."""
-    return callable(value) or isinstance(value, property | staticmethod | classmethod)
 
 
 def _test_function(item: pytest.Item) -> tuple[object, ...]:
