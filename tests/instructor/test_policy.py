@@ -71,6 +71,8 @@ def test_the_reference_solution_passes_against_the_edition(path):
         ("name = 'free'\nreturn getattr(self, name)", "getattr without a literal attribute name"),
         ("return getattr(self.blocks[0], 'nope')", "the attribute `nope` of an object other"),
         ("return hasattr(self, 'blocks')", None),
+        ("return [hasattr(self, name) for name in ('blocks', 'device')]", None),  # a bool only
+        ("return hasattr(self)", "hasattr with 1 arguments"),
         ("return type(self)", "type(...) as a value"),
         ("raise TypeError(f'got {type(self).__name__}')", None),
         ("kind = type\nreturn kind(self)", "type used as a value"),

@@ -63,6 +63,8 @@ their word; each is trusted only where the region cannot have bound it to someth
   (attribute assignment on them is refused), shadowed by any local of the same name;
 - the builtins: a local or a module-level name of the same spelling is that local (the forms of
   ``super``, ``type``, ``getattr`` and ``hasattr`` apply to the builtin only);
+- ``hasattr(obj, name)`` with any name: it answers a bool, never the attribute (``getattr``
+  takes a literal name only, checked as the attribute it names);
 - ``type(x).__name__``: the one dunder read allowed; it gives a string, and ``type(x)`` may be
   used in no other way, so the class itself never reaches the region;
 - ``"literal".format(...)``: the receiver is a string constant, whose fields the string rule

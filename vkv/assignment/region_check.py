@@ -66,7 +66,7 @@ FORMS = {
     "super": "super() with no arguments, in a method, followed by an attribute",
     "type": "type(x).__name__",
     "getattr": "getattr(obj, 'name') or getattr(obj, 'name', default), with a literal name",
-    "hasattr": "hasattr(obj, 'name'), with a literal name",
+    "hasattr": "hasattr(obj, name): it answers a bool, never the attribute",
 }
 ATTRIBUTES_ALLOWED = (
     "on self, what its class defines; on a module, what the module offers (policy.py); on "
@@ -299,9 +299,10 @@ class RegionCheck:
         if name == "type":
             is_name = isinstance(parent, ast.Attribute) and parent.attr == "__name__"
             return None if len(args) == 1 and is_name else (f"{name}(...) as a value", FORMS[name])
-        counts = (2, 3) if name == "getattr" else (2,)
+        if name == "hasattr":
+            return None if len(args) == 2 else (f"{name} with {len(args)} arguments", FORMS[name])
         literal = args[1] if len(args) > 1 else None
-        if len(args) not in counts or not (
+        if len(args) not in (2, 3) or not (
             isinstance(literal, ast.Constant) and isinstance(literal.value, str)
         ):
             return f"{name} without a literal attribute name", FORMS[name]

@@ -1,0 +1,212 @@
+"""Quantizer: INT8 and INT4 KV-cache quantization, asymmetric min/max (Phase 3, graded).
+
+A tensor of keys or values is cut into *groups*; each group keeps two floats, its ``scale`` and
+its ``zero`` (the group's minimum), and each element one small integer code:
+
+    scale = (max - min) / (2**bits - 1)
+    code  = clamp(round((x - min) / scale), 0, 2**bits - 1)
+    x    ~= code * scale + min                                   (dequantize)
+
+The *granularity* says which elements share a group:
+
+- ``per_token`` (LMDeploy's, for keys and values): the last dimension, one token's channels of
+  one head. ``x [..., head_dim]`` gives ``scale`` and ``zero`` of shape ``[..., 1]``.
+- ``per_channel`` (KIVI's, for keys): the first dimension, the tokens of one block, for each
+  (head, channel). ``x [tokens, ..., head_dim]`` gives ``scale`` and ``zero`` of shape
+  ``[1, ..., head_dim]``. Keys have outlier channels (a few channels much larger than the
+  rest); grouping along a channel keeps an outlier from stretching every other channel's grid.
+
+Invariants:
+
+- every code lies in ``[0, 2**bits - 1]``, and ``|x - dequantize(quantize(x))| <= scale / 2``
+  for every element, with the ``scale`` of its group (rounding to the nearest code moves a value
+  by at most half a step; the clamp only removes floating-point error at the ends);
+- a group whose maximum equals its minimum (a constant vector) has ``scale == 0`` and
+  dequantizes exactly to its constant: nothing divides by zero, nothing becomes NaN;
+- INT4 codes are packed two per byte along the last dimension: byte ``i`` holds code ``2i`` in
+  its low nibble (bits 0-3) and code ``2i + 1`` in its high nibble (bits 4-7), SGLang's order;
+  INT8 codes are one per byte. Codes are ``torch.uint8``; scales and zeros ``torch.float32``.
+
+Bad input raises ``ValueError`` and computes nothing: ``bits`` other than 4 or 8, an unknown
+granularity, a tensor that is not floating point, is empty, or holds NaN or an infinity, a
+last dimension that is odd for INT4 (no byte would hold its last code alone).
+
+``bytes_per_token`` says what one token costs in a KV cache of each format, scales counted:
+what decides how many blocks a byte budget holds.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from vkv.config import GRANULARITIES
+
+
+@dataclass(slots=True, frozen=True)
+class QuantizedTensor:
+    """Codes (uint8; INT4: two per byte along the last dimension), and one float32 ``scale``
+    and ``zero`` per group, shaped to broadcast against the unpacked codes."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+
+
+class Quantizer:
+    """Quantize and dequantize float tensors with ``bits`` (8 or 4) per element."""
+
+    def __init__(self, bits: int = 8, granularity: str = "per_token") -> None:
+        """Raise ``ValueError`` for ``bits`` other than the integers 4 and 8 ("bits must be 4
+        or 8, got 3"; ``8.0`` and ``True`` are not integers) or a granularity not in
+        ``GRANULARITIES`` ("granularity must be one of per_token, per_channel, got
+        'per_block'")."""
+        ### BEGIN SOLUTION part3.1
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(
+                f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}"
+            )
+        self.bits = bits
+        self.granularity = granularity
+        ### END SOLUTION
+
+    @property
+    def max_code(self) -> int:
+        return (1 << self.bits) - 1
+
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        """Codes, scales and zeros of ``x`` (given: checks, groups by granularity, packs INT4)."""
+        self._check(x)
+        x = x.float()
+        low, high = _token_range(x) if self.granularity == "per_token" else _channel_range(x)
+        scale, codes = self._encode(x, low, high)
+        if self.bits == 4:
+            codes = pack_int4(codes)
+        return QuantizedTensor(codes, scale, low, self.bits)
+
+    def dequantize(self, quantized: QuantizedTensor) -> torch.Tensor:
+        """The float32 tensor the codes stand for (given: unpacks INT4, then decodes)."""
+        codes = unpack_int4(quantized.codes) if quantized.bits == 4 else quantized.codes
+        return _decode(codes, quantized.scale, quantized.zero)
+
+    def _check(self, x: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``x`` is a floating-point tensor ("only a floating-point
+        tensor can be quantized"), with at least one dimension and one element ("cannot
+        quantize an empty tensor or a scalar"), of finite values ("cannot quantize NaN or
+        infinite values"), with an even last dimension for INT4 ("INT4 packs two codes per
+        byte: the last dimension must be even, got 5"). Checked in this order."""
+        ### BEGIN SOLUTION part3.1
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+            raise ValueError("only a floating-point tensor can be quantized")
+        if x.dim() == 0 or x.numel() == 0:
+            raise ValueError("cannot quantize an empty tensor or a scalar")
+        if not torch.isfinite(x).all():
+            raise ValueError("cannot quantize NaN or infinite values")
+        if self.bits == 4 and (last := x.shape[-1]) % 2:
+            raise ValueError(f"INT4 packs two codes per byte: the last dimension must be even, got {last}")
+        ### END SOLUTION
+
+    def _encode(
+        self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The groups' scales and the codes (uint8, unpacked) of ``x`` for the groups' ranges.
+
+        A group with ``high == low`` gets scale 0 and codes 0.
+        """
+        ### BEGIN SOLUTION part3.1
+        scale = (high - low) / self.max_code
+        # a constant group has scale 0: divide by 1 instead, every code comes out 0
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = ((x - low) / divisor).round_().clamp_(0, self.max_code).to(torch.uint8)
+        return scale, codes
+        ### END SOLUTION
+
+
+def _token_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's minimum and maximum, per token: over the last dimension, kept as 1."""
+    ### BEGIN SOLUTION part3.1
+    low, high = torch.aminmax(x, dim=-1, keepdim=True)
+    return low, high
+    ### END SOLUTION
+
+
+def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``codes * scale + zero`` in float32: the values the codes stand for."""
+    ### BEGIN SOLUTION part3.1
+    return codes.float().mul(scale.float()).add(zero.float())
+    ### END SOLUTION
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last dimension: ``[..., 2n]`` uint8 codes in
+    ``[0, 15]`` become ``[..., n]`` bytes, code ``2i`` in the low nibble of byte ``i`` and code
+    ``2i + 1`` in its high nibble. Raise ``ValueError`` for an odd last dimension ("pack_int4
+    needs an even last dimension, got 3") or a code above 15 ("a 4-bit code is at most 15")."""
+    ### BEGIN SOLUTION part3.2
+    if (width := codes.shape[-1]) % 2:
+        raise ValueError(f"pack_int4 needs an even last dimension, got {width}")
+    if codes.numel() and codes.max() > 15:
+        raise ValueError("a 4-bit code is at most 15")
+    codes = codes.to(torch.uint8)
+    even, odd = codes[..., 0::2], codes[..., 1::2]
+    return even | (odd << 4)
+    ### END SOLUTION
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_int4``: ``[..., n]`` bytes become ``[..., 2n]`` uint8 codes."""
+    ### BEGIN SOLUTION part3.2
+    low, high = packed & 0x0F, packed >> 4
+    # interleave the two halves back: [..., n, 2] -> [..., 2n]
+    return torch.stack((low, high), dim=-1).flatten(-2)
+    ### END SOLUTION
+
+
+def _channel_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's minimum and maximum, per channel: over the first dimension (the block's
+    tokens), kept as 1, for every head and channel."""
+    ### BEGIN SOLUTION part3.3
+    low, high = torch.aminmax(x, dim=0, keepdim=True)
+    return low, high
+    ### END SOLUTION
+
+
+def bytes_per_token(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_cache_dtype: str,
+    key_granularity: str = "per_token",
+    block_size: int = 16,
+    scale_bytes: int = 2,
+) -> float:
+    """What one token costs in a KV cache, every layer, keys and values, scales counted.
+
+    ``kv_cache_dtype``: ``"auto"`` (16-bit values, no scales), ``"int8"`` or ``"int4"``. A
+    quantized token stores ``head_dim * bits / 8`` bytes of codes per head for its keys and as
+    many for its values, and a scale and a zero of ``scale_bytes`` each per group: values (and
+    keys per token) have one group per token and head; keys per channel have ``head_dim``
+    groups per block and head, shared by the block's ``block_size`` tokens. Raise
+    ``ValueError`` for an unknown dtype ("kv_cache_dtype must be auto, int8 or int4, got
+    'fp8'") or granularity ("unknown key granularity 'per_block'").
+    """
+    ### BEGIN SOLUTION part3.4
+    from vkv.config import KV_CACHE_DTYPES
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, int8 or int4, got {kv_cache_dtype!r}")
+    if key_granularity not in GRANULARITIES:
+        raise ValueError(f"unknown key granularity {key_granularity!r}")
+    bits = KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype == "auto":
+        return float(2 * num_layers * num_kv_heads * head_dim * 2)
+    codes = 2 * head_dim * bits / 8  # keys and values
+    value_scales = 2 * scale_bytes  # a scale and a zero per token
+    key_scales = {
+        "per_token": 2 * scale_bytes,
+        "per_channel": 2 * scale_bytes * head_dim / block_size,
+    }[key_granularity]
+    return float(num_layers * num_kv_heads * (codes + value_scales + key_scales))
+    ### END SOLUTION
