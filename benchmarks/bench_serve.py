@@ -33,7 +33,8 @@ from rich.table import Table
 
 from vkv.engine.llm_engine import LLMEngine
 from vkv.metrics.dashboard import PANELS, concrete, start_prometheus
-from vkv.server import free_port, serve_in_thread
+from vkv.net import free_port
+from vkv.server import serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "vkv-tiny"

@@ -26,7 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from vkv.config import Config
-from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine, sixteen_bit_ratio
+from vkv.engine.cache_engine import sixteen_bit_ratio
+from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.recording import RecordTo
 from vkv.sampling_params import SamplingParams

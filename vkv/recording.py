@@ -65,7 +65,7 @@ class Recording:
 
 def header(engine) -> dict:
     """The header line for ``engine``: its KV-cache configuration and format."""
-    from vkv.engine.llm_engine import sixteen_bit_ratio  # the engine imports this module
+    from vkv.engine.cache_engine import sixteen_bit_ratio  # torch: vkv view reads without it
 
     config, shape = engine.config, engine.cache_engine.shape
     return {

@@ -31,7 +31,6 @@ import asyncio
 import itertools
 import json
 import re
-import socket
 import sys
 import threading
 import time
@@ -50,6 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vkv.engine.llm_engine import LLMEngine, RequestOutput
 from vkv.engine.model_runner import TokenLogprobs
+from vkv.net import free_port
 from vkv.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -669,13 +669,6 @@ def chat_template_of(model: str | Path | None) -> str | None:
     if not config.is_file():
         return None
     return json.loads(config.read_text()).get("chat_template")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def serve_in_thread(engine: LLMEngine, model_name: str) -> tuple[uvicorn.Server, str]:

@@ -34,7 +34,7 @@ from fake_github import BOT, FakeGitHub
 from vkv.assignment import comment, sandbox
 from vkv.assignment.grade import copy_clean, grade
 from vkv.assignment.release import release, solve
-from vkv.server import free_port
+from vkv.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_INS = Path(__file__).parent / "act"

@@ -30,7 +30,8 @@ from vkv.metrics.dashboard import (
     write_monitoring,
 )
 from vkv.metrics.rules import rule_groups
-from vkv.server import free_port, serve_in_thread
+from vkv.net import free_port
+from vkv.server import serve_in_thread
 
 MODEL = "vkv-tiny"
 HAVE_PROMETHEUS = bool(shutil.which("prometheus") and shutil.which("promtool"))

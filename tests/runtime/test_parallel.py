@@ -23,8 +23,8 @@ from tiny_checkpoints import tiny_hf_model
 from vkv.cli import main
 from vkv.engine.llm_engine import LLMEngine
 from vkv.engine.parallel import WorkerError
+from vkv.net import free_port
 from vkv.sampling_params import SamplingParams
-from vkv.server import free_port
 
 PROMPTS = [
     "def fibonacci(n):\n",

@@ -29,6 +29,7 @@ from vkv.demo import PROMPTS
 from vkv.engine.llm_engine import LLMEngine
 from vkv.engine.scheduler import SchedulerOutput
 from vkv.engine.sequence import SequenceStatus
+from vkv.net import free_port
 from vkv.recording import (
     SCHEMA_FILE,
     LiveRecording,
@@ -37,7 +38,6 @@ from vkv.recording import (
     step_record,
 )
 from vkv.sampling_params import SamplingParams
-from vkv.server import free_port
 from vkv.view import ViewServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("google-chrome")  # Debian's; GitHub's runner

@@ -31,7 +31,7 @@ its grid is known: a partial block's keys wait in full precision in a ``KeyResid
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -320,3 +320,16 @@ def _copy_blocks(source: torch.Tensor, target: torch.Tensor, pairs: list[tuple[i
     src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=source.device)
     dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=target.device)
     target[:, :, dst] = source[:, :, src].to(target.device, non_blocking=True)
+
+
+def sixteen_bit_ratio(shape: CacheShape) -> float:
+    """How many blocks of ``shape`` fit in the bytes of one 16-bit block (the README's baseline,
+    whatever dtype the model runs in: float32 on a CPU)."""
+    sixteen = replace(
+        shape,
+        dtype=torch.float16,
+        kv_cache_dtype="auto",
+        key_granularity="per_token",
+        quant_group="head",
+    )
+    return sixteen.block_bytes / shape.block_bytes

@@ -27,14 +27,13 @@ import weakref
 from dataclasses import dataclass, replace
 from numbers import Integral
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from vkv.assignment import progress
 from vkv.config import KV_CACHE_DTYPES, Config
 from vkv.engine.block_manager import AllocStatus
-from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes
+from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes, sixteen_bit_ratio
 from vkv.engine.model_runner import ModelRunner, TokenLogprobs
 from vkv.engine.parallel import (
     ShardSpec,
@@ -45,10 +44,10 @@ from vkv.engine.parallel import (
 )
 from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence, SequenceStatus
-from vkv.kernels import cpu_attention, reference
+from vkv.kernels.backends import attention_kernels
 from vkv.metrics.registry import EngineMetrics
 from vkv.metrics.stats import StatLogger
-from vkv.models.loader import load_checkpoint
+from vkv.models.loader import load_checkpoint, model_dtype
 from vkv.recording import Recorder, RecordTo, sinks_for
 from vkv.sampling_params import MAX_SEED, SamplingParams
 from vkv.threads import usable_cpus
@@ -679,41 +678,11 @@ def metrics_logger(metrics: EngineMetrics) -> StatLogger | None:
     return None
 
 
-def attention_kernels(backend: str, device: torch.device) -> tuple[ModuleType, str]:
-    """The attention kernels' module for ``backend`` on ``device``, and how to describe it."""
-    if backend == "triton":
-        from vkv.kernels import triton_attention
-
-        return triton_attention, "triton attention"
-    if device.type == "cpu":
-        compiled = cpu_attention.kernel_path() is not None
-        return cpu_attention, "torch attention" + (", decode in place (C)" if compiled else "")
-    return reference, "torch attention"
-
-
 def default_device() -> torch.device:
     """``$VKV_DEVICE`` when set (``cpu`` on a machine with a GPU; under torchrun, the same on
     every rank), else CUDA where there is one, else the CPU."""
     chosen = os.environ.get("VKV_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(chosen)
-
-
-def model_dtype(device: torch.device) -> torch.dtype:
-    """The dtype of the weights and of an unquantized KV cache: fp16 on CUDA, fp32 on a CPU."""
-    return torch.float16 if device.type == "cuda" else torch.float32
-
-
-def sixteen_bit_ratio(shape: CacheShape) -> float:
-    """How many blocks of ``shape`` fit in the bytes of one 16-bit block (the README's baseline,
-    whatever dtype the model runs in: float32 on a CPU)."""
-    sixteen = replace(
-        shape,
-        dtype=torch.float16,
-        kv_cache_dtype="auto",
-        key_granularity="per_token",
-        quant_group="head",
-    )
-    return sixteen.block_bytes / shape.block_bytes
 
 
 def _capacity_note(shape: CacheShape) -> str:

@@ -19,10 +19,10 @@ penalties, bias, temperature, top-k and top-p: vLLM's default, ``logprobs_mode="
 """
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,9 +32,6 @@ from vkv.engine.cache_engine import CacheEngine
 from vkv.engine.key_residual import partial_blocks
 from vkv.engine.scheduler import ScheduledSequence, SchedulerOutput
 from vkv.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from vkv.engine.parallel import TensorParallel
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 from vkv.sampling_params import MAX_SEED, SamplingParams
 
@@ -66,6 +63,17 @@ class StepBatch:
     is_prefill: bool
 
 
+class RankZero(Protocol):
+    """What the runner needs of tensor parallelism on rank 0 (``parallel.TensorParallel`` is
+    one; the runner sits below it: the workers of ``parallel.py`` run runners)."""
+
+    def send(self, message: object) -> None: ...
+
+    def gather_vocabulary(self, logits: torch.Tensor) -> torch.Tensor | None: ...
+
+    def run_step(self, forward: Callable[[], torch.Tensor], batch: tuple) -> torch.Tensor: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -73,7 +81,7 @@ class ModelRunner:
         cache_engine: CacheEngine,
         block_manager: BlockManager | None,
         backend: ModuleType,
-        parallel: "TensorParallel | None" = None,
+        parallel: RankZero | None = None,
     ) -> None:
         self.model = model
         self.parallel = parallel  # tensor parallelism: this is rank 0 (see parallel.py)

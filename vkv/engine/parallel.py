@@ -59,7 +59,10 @@ import torch
 import torch.distributed as dist
 
 from vkv.engine.cache_engine import CacheEngine, CacheShape
+from vkv.kernels.backends import attention_kernels
+from vkv.models.loader import load_checkpoint, model_dtype
 from vkv.models.qwen3 import AllReduce, CausalLM, ModelConfig
+from vkv.net import free_port
 from vkv.threads import usable_cpus
 
 WORKER_JOIN_SECONDS = 5.0
@@ -157,8 +160,6 @@ class TensorParallel:
     def start(cls, size: int, spec: ShardSpec, vocab_size: int) -> "TensorParallel":
         """Rank 0: start ranks 1 to ``size - 1`` (unless a launcher such as torchrun started
         every rank), join the group and send them ``spec``."""
-        from vkv.server import free_port
-
         if dist.is_initialized():
             raise ValueError(
                 "this process already holds a torch.distributed group (another engine with "
@@ -329,9 +330,7 @@ def run_worker(
     this rank's shard, then run rank 0's messages until None. Started by rank 0, or by a
     launcher on every rank (``device_type`` then: cuda where there is one; on CPUs set
     ``VKV_DEVICE=cpu`` on every rank)."""
-    from vkv.engine.llm_engine import attention_kernels, model_dtype
-    from vkv.engine.model_runner import ModelRunner
-    from vkv.models.loader import load_checkpoint
+    from vkv.engine.model_runner import ModelRunner  # the workers' runner: above this module
 
     os.environ.update(environment or {})
     device_type = (

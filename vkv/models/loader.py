@@ -102,3 +102,8 @@ def _read(file: Path, what: str, read: Callable[[], T]) -> T:
     except Exception as exc:  # each library raises its own kind; all mean a bad file
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"{file} is not {what}: {first_line[:200]}") from None
+
+
+def model_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the weights and of an unquantized KV cache: fp16 on CUDA, fp32 on a CPU."""
+    return torch.float16 if device.type == "cuda" else torch.float32
