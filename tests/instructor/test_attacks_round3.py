@@ -30,7 +30,7 @@ from test_attacks_round2 import in_regions, submission_with
 from vkv.assignment import report
 from vkv.assignment.grade import grade
 from vkv.assignment.parts import Assignment
-from vkv.assignment.policy import check_file
+from vkv.assignment.policy import POLICY_TEST_SUFFIX, check_file
 from vkv.assignment.region_check import MAX_REGION_NODES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -290,4 +290,5 @@ def test_an_honest_idiom_scores_full_points(edition, tmp_path, part):
     result = grade(submission, edition, parts={part}, timeout=TIMEOUT)
     (graded,) = result.parts
     assert graded.score == graded.part.points, (graded.status, graded.detail)
-    assert any("follows_the_grading_policy" in test.nodeid for test in graded.tests)
+    counted = [test.nodeid for test in graded.tests]
+    assert counted and not [nodeid for nodeid in counted if POLICY_TEST_SUFFIX in nodeid]

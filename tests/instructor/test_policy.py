@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vkv.assignment.parts import Assignment
-from vkv.assignment.policy import check_file, check_part
+from vkv.assignment.policy import POLICY_TEST_SUFFIX, check_file, check_part
 from vkv.assignment.regions import find_regions, stub_regions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,6 +239,14 @@ def test_the_policy_lists_what_honest_code_needs():
     assert "sqrt" in ASSIGNMENT.policy.module_vocabulary("2.2", "math")
     assert "sqrt" not in vocabulary
     assert "isqrt" not in ASSIGNMENT.policy.module_vocabulary("3.1", "torch")
+
+
+def test_each_part_begins_with_its_policy_test_which_the_grader_does_not_count():
+    for part in ASSIGNMENT.parts:
+        source = (ROOT / f"tests/test_phase{part.phase}.py").read_text()
+        name = f"test_part{part.id.split('.')[1]}{POLICY_TEST_SUFFIX}"
+        assert f'{name} = policy_test("{part.id}")' in source, name
+    # not counted by vkv grade: tests/instructor/test_attacks_round3.py grades with them
 
 
 HONEST = Path(__file__).parent / "honest"

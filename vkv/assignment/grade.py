@@ -70,7 +70,13 @@ from pathlib import Path
 
 from vkv.assignment import sandbox
 from vkv.assignment.parts import GRADED_TEST_FILE, Assignment, Part, part_of_test
-from vkv.assignment.policy import Verdict, Violation, check_file, graded_text
+from vkv.assignment.policy import (
+    POLICY_TEST_SUFFIX,
+    Verdict,
+    Violation,
+    check_file,
+    graded_text,
+)
 from vkv.assignment.regions import RegionError, find_regions, restore_regions, stub_regions
 
 SKIPPED_NAMES = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
@@ -569,7 +575,11 @@ def _pytest_args(files_or_ids: list[str] | tuple[str, ...], *extra: str) -> list
 def _collect(
     base: Path, files: list[str], assignment: Assignment, seed: int
 ) -> dict[str, list[str]]:
-    """The graded test ids of the trusted tree, by part (collection imports trusted code only)."""
+    """The graded test ids of the trusted tree, by part (collection imports trusted code only).
+
+    A part's policy test is left out: the grader checked the same policy before anything ran
+    (a refused region is graded as its stub), and counted it would give points for any code
+    the policy admits."""
     done = subprocess.run(
         sandbox.python_command(str(base), _pytest_args(files, "--collect-only")),
         cwd=base,
@@ -584,7 +594,7 @@ def _collect(
     by_part: dict[str, list[str]] = {part: [] for part in assignment.part_ids}
     for nodeid in ids:
         part = _part_of(nodeid)
-        if part in by_part:
+        if part in by_part and not nodeid.endswith(POLICY_TEST_SUFFIX):
             by_part[part].append(nodeid)
     return by_part
 

@@ -111,6 +111,9 @@ from vkv.assignment.regions import (
 )
 
 MAX_FILE_BYTES = 1 << 20
+# Each part's first test (``tests/grading_policy.py``) is named ``test_partN`` + this: the same
+# check as the grader's own, for the student; the grader does not count it.
+POLICY_TEST_SUFFIX = "_follows_the_grading_policy"
 CONTAINERS = (
     list, dict, set, frozenset, tuple, str, bytes, int, float, bool,
     collections.deque, collections.Counter, collections.defaultdict, collections.OrderedDict,

@@ -30,15 +30,21 @@ entries (a removed block, an old access time), which ``evict`` skips. Any struct
 the policy is fine; this one makes every operation O(log n).
 """
 
-from __future__ import annotations
-
 import heapq
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from vkv.engine.block import Block
+from typing import Protocol
 
 EvictionKey = tuple[float, int, int]
+
+
+class Block(Protocol):
+    """What the evictor reads and writes of a block: ``vkv.engine.block.Block`` is one (the
+    evictor sits below the allocator that owns blocks, and never imports it)."""
+
+    block_id: int
+    ref_count: int
+    content_hash: int | None
+    num_hashed_tokens: int
+    last_accessed: float
 
 
 class Evictor:
