@@ -78,8 +78,8 @@ at run time, and the OS sandbox (``sandbox.py``) bounds what an escape could rea
 The check cannot be crashed or stalled by what it reads: a file over ``MAX_FILE_BYTES``, a
 region over ``MAX_REGION_NODES`` or any failure of the parser or the walkers
 (``RecursionError``, ``MemoryError``...) is a refusal with a message, and each region is read in
-a fixed number of passes over its function (time linear in the file's size: about 0.1 s for a
-region at the node limit).
+a fixed number of passes over its function: time linear in the file's size, measured on a
+2-core machine at 0.5 s for a region at the node cap and 6 s for a file at the byte cap.
 """
 
 import ast
