@@ -5,13 +5,14 @@ the student edition's ``block.py`` and expects the rule it breaks, on that line;
 solution of every editable file passes.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 
 from vkv.assignment.parts import Assignment
 from vkv.assignment.policy import POLICY_TEST_SUFFIX, check_file, check_part
-from vkv.assignment.regions import find_regions, stub_regions
+from vkv.assignment.regions import find_regions, rewrite_regions, stub_regions
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSIGNMENT = Assignment.load(ROOT)
@@ -250,20 +251,28 @@ def test_each_part_begins_with_its_policy_test_which_the_grader_does_not_count()
 
 
 HONEST = Path(__file__).parent / "honest"
+CORPUS = [
+    (corpus.stem, path, bodies)
+    for corpus in sorted(HONEST.glob("*.json"))
+    for path, bodies in json.loads(corpus.read_text()).items()
+]
 
 
 @pytest.mark.parametrize(
-    "file", sorted(HONEST.rglob("*.py")), ids=lambda file: file.relative_to(HONEST).as_posix()
+    ("corpus", "path", "bodies"), CORPUS, ids=[f"{c}/{p}" for c, p, _ in CORPUS]
 )
-def test_the_honest_corpus_is_admitted(file):
-    """``honest/<phases>-<style>/``: every part solved blind from the handouts and the stubs,
-    by three students of different styles (plain; idiomatic: comprehensions, functools,
-    generators, super(); defensive: getattr, type(x).__name__, str.format, typing, copy). The
-    policy refuses none of it, by ``vkv grade``'s check nor by each part's first test."""
-    style = HONEST / file.relative_to(HONEST).parts[0]
-    path = file.relative_to(style).as_posix()
+def test_the_honest_corpus_is_admitted(corpus, path, bodies):
+    """``honest/<phases>-<style>.json``: every part solved blind from the handouts and the
+    stubs, by three students of different styles (plain; idiomatic: comprehensions, functools,
+    generators, super(); defensive: getattr, type(x).__name__, str.format, typing, copy), kept
+    as region bodies by their index in the file and put into today's edition. The policy
+    refuses none of it, by ``vkv grade``'s check nor by each part's first test."""
     edition = stub_regions((ROOT / path).read_text(), set(ASSIGNMENT.part_ids), path)
-    text = file.read_text()
+    text = rewrite_regions(
+        edition,
+        lambda index, _: bodies[str(index)].split("\n") if str(index) in bodies else None,
+        path,
+    )
     assert check_file(path, text.encode(), edition, ASSIGNMENT.policy).first is None
     for part in {region.part for region in find_regions(text, path) if not region.is_stub}:
         assert check_part(path, text, part, ASSIGNMENT.policy).first is None
