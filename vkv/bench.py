@@ -20,6 +20,16 @@ Prompts are windows of ``e2e_corpus.txt``, a pinned copy of four of this package
 (the engine, cache engine, model runner and simulator as they were on 2026-12-01; no graded code,
 which the student edition must not contain), so that nothing is downloaded and the figures
 compare across commits.
+
+Two workloads (``WORKLOADS``): ``mixed`` (64 requests, prompts and outputs of 16–256 tokens) and
+``nano-vllm``, the benchmark of nano-vLLM's ``bench.py`` (256 requests, prompts and outputs of
+100–1024 tokens, seed 0). Both systems run on ``device`` in ``dtype``; with
+``load_format="dummy"`` the engine draws random weights of the checkpoint's shape
+(``loader.dummy_model``) and transformers' model is built from the same ``config.json`` and
+given the same weights. On CUDA the run also reports the GPU-busy share of a full-batch decode
+step: the kernels' time under ``torch.profiler`` over the steps' wall time (the rest is the
+host launching work, or idle). Every run reports the engine's start-up time (``LLMEngine()``:
+the weights and the KV pool).
 """
 
 import random
@@ -35,6 +45,22 @@ from vkv.models.loader import DEFAULT_MODEL
 from vkv.sampling_params import SamplingParams
 
 CORPUS = Path(__file__).with_name("e2e_corpus.txt")
+
+
+@dataclass(slots=True, frozen=True)
+class WorkloadShape:
+    """How many requests, and the ranges their prompt and output lengths are drawn from."""
+
+    num_requests: int
+    prompt_lens: tuple[int, int]
+    output_lens: tuple[int, int]
+
+
+WORKLOADS = {
+    "mixed": WorkloadShape(64, (16, 256), (16, 256)),
+    "nano-vllm": WorkloadShape(256, (100, 1024), (100, 1024)),
+}
+PROFILED_STEPS = 5  # full-batch decode steps under torch.profiler (CUDA only)
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,6 +94,12 @@ class Workload:
 
 @dataclass(slots=True)
 class E2EResult:
+    workload: str
+    device: str
+    dtype: str
+    load_format: str
+    startup_seconds: float  # LLMEngine(): weights and KV pool
+    gpu_busy_share: float | None  # of a full-batch decode step's wall time (CUDA only)
     requests: int
     repeat: int
     output_tokens: int
@@ -130,11 +162,12 @@ def run_transformers(
     model, workload: Workload, batch: int, pad_token_id: int
 ) -> tuple[float, list[list[int]]]:
     """Seconds and completions of static, left-padded batches through ``generate``, which
-    never stops at EOS (``ignore_eos``, as the vkv requests are)."""
+    never stops at EOS (``ignore_eos``, as the vkv requests are), on the model's device."""
     from transformers import GenerationConfig
 
     # generate fills every option left unset from the model's own generation config: clear EOS
     model.generation_config.eos_token_id = None
+    device = next(model.parameters()).device
     completions: list[list[int]] = []
     started = time.perf_counter()
     for first in range(0, len(workload.prompts), batch):
@@ -150,53 +183,130 @@ def run_transformers(
             pad_token_id=pad_token_id,
         )
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=config,
+            )
         completions += [row[width : width + n].tolist() for row, n in zip(out, wanted, strict=True)]
     return time.perf_counter() - started, completions
+
+
+def transformers_model(engine: LLMEngine, path: Path, load_format: str):
+    """transformers' model of the checkpoint at ``path`` on the engine's device and dtype, with
+    the engine's weights: read from the folder, or (``dummy``) copied from the engine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = engine.model_dtype
+    if load_format != "dummy":
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        missing, _ = hf.load_state_dict(engine.model.state_dict(), strict=False)
+        if missing and missing != ["lm_head.weight"]:  # a tied lm_head is the embedding
+            raise ValueError(f"{path}: transformers' model needs weights vkv lacks: {missing[:3]}")
+        hf.tie_weights()
+    return hf.to(engine.device).eval()
+
+
+def gpu_busy_share(engine: LLMEngine, workload: Workload, batch: int) -> float | None:
+    """The share of wall time the GPU computes over ``PROFILED_STEPS`` decode steps of
+    ``batch`` sequences (the kernels' time, torch.profiler's), or None: off CUDA, with fewer
+    than ``batch`` prompts, or when the pool never holds the batch at once. Leaves no request
+    behind."""
+    if engine.device.type != "cuda" or len(workload.prompts) < batch:
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0.0, max_tokens=4 * PROFILED_STEPS, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for prompt in workload.prompts[:batch]]
+    engine.step()
+    while engine.has_unfinished_requests() and not is_full_decode(engine.stats, batch):
+        engine.step()
+    share = None
+    if engine.has_unfinished_requests():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            torch.cuda.synchronize(engine.device)
+            started = time.perf_counter()
+            for _ in range(PROFILED_STEPS):
+                engine.step()
+            torch.cuda.synchronize(engine.device)
+            wall_us = (time.perf_counter() - started) * 1e6
+        busy_us = sum(
+            event.self_device_time_total
+            for event in profiler.events()
+            if event.device_type == DeviceType.CUDA and not event.is_user_annotation
+        )
+        share = min(1.0, busy_us / wall_us)
+    for request_id in ids:
+        engine.abort(request_id)
+    return share
 
 
 def run_e2e(
     model: str | Path | None = None,
     *,
-    num_requests: int = 64,
-    prompt_lens: tuple[int, int] = (16, 256),
-    output_lens: tuple[int, int] = (16, 256),
+    device: str = "cpu",
+    dtype: str = "auto",
+    load_format: str = "auto",
+    workload: str = "mixed",
+    num_requests: int | None = None,
+    prompt_lens: tuple[int, int] | None = None,
+    output_lens: tuple[int, int] | None = None,
     max_num_seqs: int = 64,
     hf_batch: int = 64,
     seed: int = 0,
     repeat: int = 5,
 ) -> E2EResult:
-    """Both systems on the same workload, warmed up first, on this process's CPU threads;
-    ``repeat`` interleaved rounds (a run of each): the fastest run of each, and the median,
-    lowest and highest of the rounds' ratios."""
-    from transformers import AutoModelForCausalLM
+    """Both systems on the same requests (``WORKLOADS[workload]``, each of its numbers
+    replaced where given), warmed up first; ``repeat`` interleaved rounds (a run of each): the
+    fastest run of each, and the median, lowest and highest of the rounds' ratios. ``ValueError``
+    for an unknown workload, and the engine's for a device it cannot run on."""
     from transformers.utils import logging
 
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    shape = WORKLOADS[workload]
+    num_requests = num_requests or shape.num_requests
     logging.set_verbosity_error()
     path = Path(model) if model is not None else DEFAULT_MODEL
-    engine = LLMEngine(path, max_num_seqs=max_num_seqs, device="cpu")
-    workload = Workload.mixed(
+    started = time.perf_counter()
+    engine = LLMEngine(
+        path, max_num_seqs=max_num_seqs, device=device, dtype=dtype, load_format=load_format
+    )
+    startup_seconds = time.perf_counter() - started
+    if engine.tokenizer is None:
+        raise ValueError(f"{path} has no tokenizer.json to make the benchmark's prompts with")
+    requests = Workload.mixed(
         lambda text: engine.tokenizer.encode(text).ids,
         num_requests,
-        prompt_lens,
-        output_lens,
+        prompt_lens or shape.prompt_lens,
+        output_lens or shape.output_lens,
         seed,
     )
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = transformers_model(engine, path, load_format)
     pad = engine.config.eos_token_id if engine.config.eos_token_id is not None else 0
-    warm_up = Workload(workload.prompts[:2], [4, 4])
+    warm_up = Workload(requests.prompts[:2], [4, 4])
     run_vkv(engine, warm_up)
     run_transformers(hf, warm_up, 2, pad)
 
     vkv_runs, hf_runs = [], []
     for _ in range(repeat):  # interleaved, so that both see the same machine
-        vkv_runs.append(run_vkv(engine, workload))
-        hf_runs.append(run_transformers(hf, workload, hf_batch, pad))
+        vkv_runs.append(run_vkv(engine, requests))
+        hf_runs.append(run_transformers(hf, requests, hf_batch, pad))
+    busy = gpu_busy_share(engine, requests, max_num_seqs)
     ours = min(vkv_runs, key=lambda run: run.seconds)
     hf_seconds, hf_out = min(hf_runs)
     ratios = [hf[0] / run.seconds for run, hf in zip(vkv_runs, hf_runs, strict=True)]
-    tokens = workload.output_tokens
+    tokens = requests.output_tokens
     return E2EResult(
+        workload=workload,
+        device=str(engine.device),
+        dtype=str(engine.model_dtype).removeprefix("torch."),
+        load_format=load_format,
+        startup_seconds=startup_seconds,
+        gpu_busy_share=busy,
         requests=num_requests,
         repeat=repeat,
         output_tokens=tokens,

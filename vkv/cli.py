@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from vkv.assignment.parts import MANIFEST, Assignment
-from vkv.config import GRANULARITIES, KV_CACHE_DTYPES, QUANT_GROUPS
+from vkv.config import GRANULARITIES, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_DTYPES, QUANT_GROUPS
+from vkv.models import SHAPES
 
 DESCRIPTION = "vkv-engine: a paged-KV inference engine and the course built on it."
 GENERATE = "generate text (default model: the built-in vkv-tiny)"
@@ -141,6 +142,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         gpu_memory_fraction=args.gpu_memory_fraction,
         max_model_len=args.max_model_len,
         backend=args.backend,
+        **_model(args),
         **_kv_cache(args),
     )
     with llm:
@@ -219,6 +221,7 @@ def _serve(args: argparse.Namespace, console: Console) -> int:
         max_num_seqs=args.max_num_seqs,
         num_cpu_blocks=args.cpu_blocks,
         record=live_page,
+        **_model(args),
         **_kv_cache(args),
     )
     app = create_app(engine, model_label(args.model), chat_template_of(args.model))
@@ -257,6 +260,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     try:
         result = run_e2e(
             args.model,
+            **_model(args),
+            workload=args.workload,
             num_requests=args.requests,
             max_num_seqs=args.max_num_seqs,
             hf_batch=args.hf_batch,
@@ -355,6 +360,35 @@ def _reference_root(args: argparse.Namespace) -> Path:
     return root
 
 
+def _model_options(command: argparse.ArgumentParser) -> None:
+    """Which model runs, with which weights, in which dtype, on which device: the same for
+    every command that serves a checkpoint."""
+    command.add_argument(
+        "--model", help="a Hugging Face checkpoint folder (default: the built-in vkv-tiny)"
+    )
+    command.add_argument(
+        "--load-format",
+        choices=list(LOAD_FORMATS),
+        default="auto",
+        help="dummy: random weights of the shape in --model's config.json, no weights needed "
+        f"(real models' shapes ship in {SHAPES})",
+    )
+    command.add_argument(
+        "--dtype",
+        choices=list(MODEL_DTYPES),
+        default="auto",
+        help="the weights' and the KV cache's dtype (auto: float16 on CUDA, float32 on a CPU)",
+    )
+    command.add_argument(
+        "--device", choices=["cpu", "cuda"], help="default: cuda where there is one, else cpu"
+    )
+
+
+def _model(args: argparse.Namespace) -> dict[str, str | None]:
+    """The engine's keyword arguments for the options of ``_model_options``."""
+    return {"load_format": args.load_format, "dtype": args.dtype, "device": args.device}
+
+
 def _kv_cache_options(command: argparse.ArgumentParser) -> None:
     """The KV-cache options (formats, Phase 3; prefix caching, Phase 4; the heads' split over
     processes), the same for every command that runs the model."""
@@ -450,9 +484,7 @@ def _parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help=GENERATE, description=GENERATE)
     generate.add_argument("prompts", nargs="+", metavar="PROMPT")
-    generate.add_argument(
-        "--model", help="a Hugging Face checkpoint folder (default: the built-in vkv-tiny)"
-    )
+    _model_options(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     generate.add_argument("--top-k", type=int, default=-1)
@@ -508,7 +540,7 @@ def _parser() -> argparse.ArgumentParser:
     view.set_defaults(run=_view)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible server, with /metrics")
-    serve.add_argument("--model", help="a checkpoint folder (default: the built-in vkv-tiny)")
+    _model_options(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--block-size", type=int, default=16)
@@ -534,8 +566,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks of the runtime")
     benchmarks = bench.add_subparsers(required=True, metavar="BENCHMARK")
     e2e = benchmarks.add_parser("e2e", help="vkv vs transformers' generate, same requests")
-    e2e.add_argument("--model", help="a checkpoint folder (default: the built-in vkv-tiny)")
-    e2e.add_argument("--requests", type=int, default=64)
+    _model_options(e2e)
+    e2e.add_argument(
+        "--workload",
+        default="mixed",
+        help="mixed: 64 requests of 16-256 tokens in and out; nano-vllm: nano-vLLM's benchmark, "
+        "256 requests of 100-1024 tokens in and out",
+    )
+    e2e.add_argument("--requests", type=int, help="default: the workload's")
     e2e.add_argument("--max-num-seqs", type=int, default=64)
     e2e.add_argument("--hf-batch", type=int, default=64, help="transformers' static batch size")
     e2e.add_argument("--seed", type=int, default=0)

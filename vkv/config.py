@@ -11,6 +11,9 @@ from enum import Enum
 KV_CACHE_DTYPES = {"auto": 16, "int8": 8, "int4": 4}  # bits per stored element (Phase 3)
 GRANULARITIES = ("per_token", "per_channel")  # how quantized keys are grouped (Phase 3)
 QUANT_GROUPS = ("head", "token")  # what a per-token scale covers: one head, or every KV head
+MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: fp16 on CUDA, fp32 on a CPU
+LOAD_FORMATS = ("auto", "dummy")  # weights from the folder, or random ones of its config's shape
+WATERMARK = 0.01  # the share of the GPU pool the block manager keeps free (vLLM v0's)
 
 
 def check_kv_cache_dtype(name: object) -> None:
@@ -51,7 +54,7 @@ class Config:
     block_size: int = 16
     num_gpu_blocks: int = 1024
     num_cpu_blocks: int = 0
-    watermark: float = 0.01
+    watermark: float = WATERMARK
     max_model_len: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None

@@ -30,6 +30,7 @@ its grid is known: a partial block's keys wait in full precision in a ``KeyResid
 (``key_residual.py``), which the same swaps and copies keep with their blocks.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -177,6 +178,62 @@ def free_device_bytes(device: torch.device, fraction: float) -> int:
         raise ValueError(f"the memory fraction must be in (0, 1], got {fraction}")
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * fraction)
+
+
+def blocks_ever_used(
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    watermark: float,
+    prefix_caching: bool,
+) -> int:
+    """The most device blocks an engine with these options can ever put to use: a pool of more
+    only costs memory and start-up time (one ``Block`` object each in the allocator).
+
+    - At most ``max_num_seqs`` sequences run, each of at most ``max_model_len`` tokens, so at
+      most ``ceil(max_model_len / block_size)`` blocks each. A shared block (a common prefix, a
+      parallel sample's prompt, the source of a copy-on-write) only lowers the count; a swapped
+      sequence holds none on the device.
+    - The block manager keeps ``int(watermark * num_gpu_blocks)`` blocks free: ``N`` blocks
+      with ``N * (1 - watermark) >= running`` leave room for the running blocks above it.
+    - Prefix caching keeps the blocks of finished sequences as a cache for later prompts: the
+      pool gets twice the running bound, room for as many cached prefixes as running ones.
+    """
+    running = max_num_seqs * -(-max_model_len // block_size)
+    if prefix_caching:
+        running *= 2
+    return math.ceil(running / (1.0 - watermark))
+
+
+@dataclass(slots=True, frozen=True)
+class PoolSize:
+    """The device pool's blocks, and how many the memory budget would have held."""
+
+    blocks: int
+    memory_blocks: int
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the engine's bound, not the memory, set the size."""
+        return self.blocks < self.memory_blocks
+
+
+def size_device_pool(
+    shape: CacheShape, budget_bytes: int, residual_slots: int, bound: int
+) -> PoolSize:
+    """The blocks of ``shape`` that ``budget_bytes`` holds after a key residual of
+    ``residual_slots`` blocks (keys per channel), capped at ``bound`` (``blocks_ever_used``).
+
+    ``ValueError`` when the residual alone fills the budget, or no block fits beside it.
+    """
+    residual_bytes = shape.residual_bytes(residual_slots)
+    if residual_bytes and residual_bytes >= budget_bytes:
+        raise ValueError(
+            f"the key residual ({residual_bytes:,} bytes: {residual_slots} blocks of "
+            f"full-precision keys) fills the KV budget of {budget_bytes:,} bytes"
+        )
+    memory_blocks = shape.num_blocks_for(budget_bytes - residual_bytes)
+    return PoolSize(min(memory_blocks, bound), memory_blocks)
 
 
 class CacheEngine:

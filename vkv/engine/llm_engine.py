@@ -31,9 +31,17 @@ from pathlib import Path
 import torch
 
 from vkv.assignment import progress
-from vkv.config import KV_CACHE_DTYPES, Config
+from vkv.config import KV_CACHE_DTYPES, WATERMARK, Config
 from vkv.engine.block_manager import AllocStatus
-from vkv.engine.cache_engine import CacheEngine, CacheShape, free_device_bytes, sixteen_bit_ratio
+from vkv.engine.cache_engine import (
+    CacheEngine,
+    CacheShape,
+    PoolSize,
+    blocks_ever_used,
+    free_device_bytes,
+    sixteen_bit_ratio,
+    size_device_pool,
+)
 from vkv.engine.model_runner import ModelRunner, TokenLogprobs
 from vkv.engine.parallel import (
     ShardSpec,
@@ -47,7 +55,7 @@ from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.kernels.backends import attention_kernels
 from vkv.metrics.registry import EngineMetrics
 from vkv.metrics.stats import StatLogger
-from vkv.models.loader import load_checkpoint, model_dtype
+from vkv.models.loader import load_checkpoint, model_dtype, weights_note
 from vkv.recording import Recorder, RecordTo, sinks_for
 from vkv.sampling_params import MAX_SEED, SamplingParams
 from vkv.threads import usable_cpus
@@ -91,6 +99,13 @@ class LLMEngine:
     ``LiveRecording`` (the live page), or a list of both. ``tensor_parallel_size`` N > 1 splits
     the model's heads and the KV cache over N processes (``parallel.py``): the budget and the
     block count are per rank, and ``close()`` (or ``with``) stops the other processes.
+
+    A pool sized from memory holds no more blocks than the engine can ever use
+    (``cache_engine.blocks_ever_used``: ``max_num_seqs`` sequences of ``max_model_len``
+    tokens); the start-up line says when that bound, not the memory, set its size. ``dtype``
+    is the weights' and the cache's (``auto``: fp16 on CUDA, fp32 on a CPU; or float32,
+    float16, bfloat16); ``load_format="dummy"`` gives the model random weights of the shape in
+    ``model``'s ``config.json`` (``loader.load_checkpoint``).
     """
 
     def __init__(
@@ -113,6 +128,8 @@ class LLMEngine:
         kv_quant_group: str = "head",
         backend: str | None = None,
         device: str | None = None,
+        dtype: str = "auto",
+        load_format: str = "auto",
         record: RecordTo | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
@@ -122,9 +139,11 @@ class LLMEngine:
         if not 0.0 < gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
         self.device = torch.device(device) if device else default_device()
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: torch sees no CUDA GPU on this machine")
         if self.device.type == "cpu":  # no more threads than this process has CPUs
             torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
-        dtype = model_dtype(self.device)
+        self.model_dtype = model_dtype(self.device, dtype)
         backend = backend or ("triton" if self.device.type == "cuda" else "torch")
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend must be torch or triton, got {backend!r}")
@@ -135,7 +154,9 @@ class LLMEngine:
                 "(Triton's interpreter, for tests); on a CPU use --backend torch"
             )
         kernels, attention = attention_kernels(backend, self.device)
-        self.model, self.tokenizer, eos = load_checkpoint(model, dtype, self.device)
+        self.model, self.tokenizer, eos = load_checkpoint(
+            model, self.model_dtype, self.device, load_format
+        )
         c = self.model.config
         check_tensor_parallel(c, tensor_parallel_size)  # before any process starts
         shape = CacheShape(
@@ -143,25 +164,24 @@ class LLMEngine:
             block_size,
             c.num_kv_heads // tensor_parallel_size,  # a rank's slice of every block
             c.head_dim,
-            dtype,
+            self.model_dtype,
             kv_cache_dtype,
             key_granularity,
             kv_quant_group,
         )
         residual_slots = 2 * max_num_seqs  # keys per channel: see key_residual.py
-        if num_gpu_blocks is None and kv_cache_bytes is None:
-            on_cuda = self.device.type == "cuda"
-            kv_cache_bytes = (
-                free_device_bytes(self.device, gpu_memory_fraction) if on_cuda else CPU_KV_BYTES
-            )
+        pool = None
         if num_gpu_blocks is None:
-            residual_bytes = shape.residual_bytes(residual_slots)
-            if residual_bytes and residual_bytes >= kv_cache_bytes:
-                raise ValueError(
-                    f"the key residual ({residual_bytes:,} bytes: 2 x max_num_seqs blocks of "
-                    f"full-precision keys) fills the KV budget of {kv_cache_bytes:,} bytes"
+            if kv_cache_bytes is None:
+                on_cuda = self.device.type == "cuda"
+                kv_cache_bytes = (
+                    free_device_bytes(self.device, gpu_memory_fraction) if on_cuda else CPU_KV_BYTES
                 )
-            num_gpu_blocks = shape.num_blocks_for(kv_cache_bytes - residual_bytes)
+            bound = blocks_ever_used(
+                max_num_seqs, max_model_len, block_size, WATERMARK, enable_prefix_caching
+            )
+            pool = size_device_pool(shape, kv_cache_bytes, residual_slots, bound)
+            num_gpu_blocks = pool.blocks
         self.config = Config(
             block_size=block_size,
             num_gpu_blocks=num_gpu_blocks,
@@ -192,7 +212,8 @@ class LLMEngine:
         print(
             f"vkv: KV cache of {self.config.num_gpu_blocks} blocks x {block_size} tokens "
             f"({self.config.num_gpu_blocks * shape.block_bytes / 2**20:.1f} MiB{per_rank}"
-            f"{_capacity_note(shape)}) on {self.device}, {attention}",
+            f"{_capacity_note(shape)}) on {self.device}, {attention}"
+            f"{_bound_note(pool, max_num_seqs, max_model_len)}{weights_note(model, load_format)}",
             file=sys.stderr,
         )
         self._requests: dict[int, Sequence] = {}  # sequence id -> sequence, samples included
@@ -221,8 +242,8 @@ class LLMEngine:
         self.recorder = Recorder(self, *sinks_for(record)) if record else None
         if tensor_parallel_size > 1:  # last: nothing after it can fail and leave workers behind
             spec = ShardSpec(
-                None if model is None else str(model), backend, self.device.type, shape,
-                self.config.num_gpu_blocks, num_cpu_blocks, residual_slots,
+                None if model is None else str(model), load_format, backend, self.device.type,
+                shape, self.config.num_gpu_blocks, num_cpu_blocks, residual_slots,
             )  # fmt: skip
             self.parallel = TensorParallel.start(tensor_parallel_size, spec, c.vocab_size)
             shard_model(self.model, 0, tensor_parallel_size, self.parallel.all_reduce)
@@ -693,6 +714,16 @@ def _capacity_note(shape: CacheShape) -> str:
     keys += ", one scale per token" if shape.quant_group == "token" else ""
     ratio = sixteen_bit_ratio(shape)
     return f", {shape.kv_cache_dtype}{keys}: {ratio:.2f}x the blocks of a 16-bit cache"
+
+
+def _bound_note(pool: PoolSize | None, max_num_seqs: int, max_model_len: int) -> str:
+    """When the engine's bound, not the memory budget, set the pool's size: what it was."""
+    if pool is None or not pool.bounded:
+        return ""
+    return (
+        f"; sized for {max_num_seqs} sequences of {max_model_len} tokens, all this engine can "
+        f"use (the memory budget holds {pool.memory_blocks:,} blocks)"
+    )
 
 
 def _is_token_id(value: object) -> bool:

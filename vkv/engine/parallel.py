@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.kernels.backends import attention_kernels
-from vkv.models.loader import load_checkpoint, model_dtype
+from vkv.models.loader import load_checkpoint
 from vkv.models.qwen3 import AllReduce, CausalLM, ModelConfig
 from vkv.net import free_port
 from vkv.threads import usable_cpus
@@ -78,10 +78,12 @@ class WorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """What a worker needs to build its shard: the checkpoint, the attention backend, the
-    device type, its cache's shape (this rank's KV heads) and pool sizes."""
+    """What a worker needs to build its shard: the checkpoint and how to load it, the
+    attention backend, the device type, its cache's shape (this rank's KV heads; its dtype is
+    the model's) and pool sizes."""
 
     model: str | None
+    load_format: str
     backend: str
     device_type: str
     shape: CacheShape
@@ -355,7 +357,7 @@ def run_worker(
                 f"rank 0 runs on {spec.device_type} and rank {rank} on {device_type}: set "
                 "VKV_DEVICE the same on every rank"
             )
-        model, _, _ = load_checkpoint(spec.model, model_dtype(device), device)
+        model, _, _ = load_checkpoint(spec.model, spec.shape.dtype, device, spec.load_format)
         shard_model(model, rank, size, group.all_reduce)
         cache = CacheEngine(
             spec.shape, spec.num_gpu_blocks, spec.num_cpu_blocks, device, spec.residual_slots

@@ -16,6 +16,7 @@ rank's slice of the vocabulary.
 """
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -24,6 +25,27 @@ import torch
 from torch import nn
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the tensor-parallel ranks, in place
+
+
+@dataclass(slots=True, frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's rotary scaling (``rope_type: llama3``): frequencies whose wavelength is
+    longer than ``original_max_position_embeddings / low_freq_factor`` slow down ``factor``
+    times, those shorter than ``... / high_freq_factor`` stay, and those between blend the
+    two linearly in ``original_max_position_embeddings / wavelength``."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def apply(self, frequencies: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies."""
+        context = self.original_max_position_embeddings
+        in_context = context * frequencies / (2 * math.pi)  # turns over the original context
+        blend = (in_context - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        blend = blend.clamp(0.0, 1.0)  # 0: slowed (long waves), 1: kept (short waves)
+        return frequencies / self.factor * (1 - blend) + frequencies * blend
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,6 +62,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     qk_norm: bool = True
     attention_bias: bool = False
+    rope_scaling: Llama3Scaling | None = None
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelConfig":
@@ -49,9 +72,10 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {architectures}: Qwen3 or Llama only")
         heads = config["num_attention_heads"]
         # transformers 5 writes ``rope_parameters``; older checkpoints (Qwen3-0.6B) ``rope_theta``
-        rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10_000.0)}
-        if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
-            raise ValueError(f"unsupported rotary scaling {rope}: plain RoPE only")
+        rope = config.get("rope_parameters") or {
+            "rope_theta": config.get("rope_theta", 10_000.0),
+            **(config.get("rope_scaling") or {}),
+        }
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -65,7 +89,27 @@ class ModelConfig:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             qk_norm="Qwen3ForCausalLM" in architectures,
             attention_bias=config.get("attention_bias", False),
+            rope_scaling=rotary_scaling(rope),
         )
+
+
+def rotary_scaling(rope: dict) -> Llama3Scaling | None:
+    """The rotary scaling of a config's rope parameters: none, or Llama 3.1's; ``ValueError``
+    for any other kind (or a llama3 one without its four numbers)."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rotary scaling {rope}: plain RoPE or llama3 only")
+    try:
+        return Llama3Scaling(
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise ValueError(f"the llama3 rotary scaling {rope} lacks {exc}") from None
 
 
 @dataclass(slots=True)
@@ -92,19 +136,22 @@ class RMSNorm(nn.Module):
 
 
 @functools.cache
-def inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """``theta ** (-2i / head_dim)`` for each rotating pair ``i``, in fp32 (the same every step:
-    computed once per model shape and device)."""
+def inverse_frequencies(
+    head_dim: int, theta: float, device: torch.device, scaling: Llama3Scaling | None = None
+) -> torch.Tensor:
+    """``theta ** (-2i / head_dim)`` for each rotating pair ``i``, in fp32, then ``scaling``'s
+    (the same every step: computed once per model shape and device)."""
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
-    return 1.0 / theta ** (exponents / head_dim)
+    frequencies = 1.0 / theta ** (exponents / head_dim)
+    return frequencies if scaling is None else scaling.apply(frequencies)
 
 
 def rotary_angles(
-    positions: torch.Tensor, head_dim: int, theta: float
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: Llama3Scaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine of each position's rotary angles, ``[tokens, 1, head_dim]`` each (the
     half-split convention: dimension ``i`` and ``i + head_dim / 2`` rotate together)."""
-    frequencies = inverse_frequencies(head_dim, theta, positions.device)
+    frequencies = inverse_frequencies(head_dim, theta, positions.device, scaling)
     angles = positions.float()[:, None] * frequencies[None, :]
     angles = torch.cat([angles, angles], -1)[:, None, :]
     return angles.cos(), angles.sin()
@@ -232,7 +279,8 @@ class CausalLM(nn.Module):
         backend: ModuleType,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        rotary = rotary_angles(positions, self.config.head_dim, self.config.rope_theta)
+        c = self.config
+        rotary = rotary_angles(positions, c.head_dim, c.rope_theta, c.rope_scaling)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             hidden = layer(rotary, hidden, cache, meta, backend)
         return self.lm_head(self.model.norm(hidden))

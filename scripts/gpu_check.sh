@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU path, checked and measured in one command on a machine with a CUDA GPU:
+#
+#   scripts/gpu_check.sh [OUT]        (default OUT: gpu-check/)
+#
+# 1. the GPU-path tests (tests/runtime, Phase 3's graded and hidden tests) with CUDA present;
+# 2. benchmarks/bench_decode_kernel.py: the paged decode kernel's bandwidth, 16-bit and quantized;
+# 3. how long LLM() takes to start with vkv-tiny (the bar: 10 s);
+# 4. `vkv bench e2e --device cuda` on random weights of Qwen3-0.6B's shape, nano-vLLM's
+#    request lengths (100-1024 in and out; 128 requests, to fit the time) against transformers.
+#
+# Runs with the machine's own python3 (torch, Triton, transformers, pytest), no uv, the tree on
+# PYTHONPATH; set PYTHON to use another interpreter. Each stage has a time limit (about 6
+# minutes in all). A test file whose imports are missing there (the server's fastapi, the
+# browser tests' selenium, ...) is not run, and OUT/gpu_check.json says which and why, with
+# every figure of the run. Exit status: 0 when every stage ran and no test failed, 1 otherwise,
+# 2 without a CUDA GPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu-check}
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+export VKV_GPU_CHECK_OUT=$OUT
+
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: no CUDA GPU here ($PYTHON's torch sees none): nothing to check" >&2
+    exit 2
+fi
+mkdir -p "$OUT"
+rm -f "$OUT"/{tests.xml,decode_kernel.json,e2e.json,startup.json,stages.txt}
+
+stage() {  # stage NAME LIMIT_SECONDS COMMAND...: run it, its output in OUT/NAME.log
+    local name=$1 limit=$2 started=$SECONDS status
+    shift 2
+    echo "gpu_check: $name (at most ${limit} s) ..." >&2
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    status=$?
+    echo "$name $status $((SECONDS - started))" >>"$OUT/stages.txt"
+    echo "gpu_check: $name exited $status after $((SECONDS - started)) s" >&2
+}
+
+stage tests 210 "$PYTHON" -m pytest tests/runtime tests/test_phase3.py \
+    tests/hidden/test_phase3_hidden.py -q -n 8 -p no:cacheprovider \
+    --continue-on-collection-errors --timeout 150 --junitxml "$OUT/tests.xml"
+stage decode_kernel 60 "$PYTHON" benchmarks/bench_decode_kernel.py --out "$OUT"
+stage startup 30 "$PYTHON" -c '
+import json, os, time
+started = time.perf_counter()
+from vkv import LLM
+LLM()
+seconds = time.perf_counter() - started
+path = os.path.join(os.environ["VKV_GPU_CHECK_OUT"], "startup.json")
+open(path, "w").write(json.dumps({"llm_startup_seconds": seconds}))
+'
+stage e2e 200 "$PYTHON" -m vkv.cli bench e2e --device cuda --load-format dummy \
+    --model vkv/models/shapes/qwen3-0.6b --workload nano-vllm --requests 128 \
+    --max-num-seqs 128 --hf-batch 128 --repeat 1 --output "$OUT/e2e.json"
+
+"$PYTHON" scripts/gpu_summary.py "$OUT"
