@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_checkpoints import SIZES, tiny_hf_model
 
-from vkv.cli import main
+from vkv.cli import _parser, main
 from vkv.engine.llm_engine import LLMEngine
 from vkv.kernels import reference
 from vkv.models import SHAPES
@@ -134,3 +134,23 @@ def test_an_unknown_rotary_scaling_is_refused():
         ModelConfig.from_hf(TINY | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="lacks 'low_freq_factor'"):
         ModelConfig.from_hf(TINY | {"rope_scaling": {"rope_type": "llama3", "factor": 2.0}})
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["serve"], ["bench", "e2e"]])
+def test_every_command_that_runs_a_model_takes_the_model_options(command):
+    options = ["--load-format", "dummy", "--dtype", "float32", "--device", "cpu", "--model", "m"]
+    args = _parser().parse_args([*command, *options])
+    assert (args.load_format, args.dtype, args.device, args.model) == (
+        "dummy",
+        "float32",
+        "cpu",
+        "m",
+    )
+
+
+def test_generate_runs_on_random_weights_of_a_config_only_folder(tmp_path, capsys):
+    folder = config_folder(tmp_path, TINY | {"vocab_size": 300})
+    argv = ["generate", "def f(x):", "--max-tokens", "4", "--device", "cpu"]
+    assert main([*argv, "--load-format", "dummy", "--model", str(folder)]) == 0
+    captured = capsys.readouterr()
+    assert "def f(x):" in captured.out and "random weights (--load-format dummy)" in captured.err
