@@ -18,8 +18,10 @@ Neither what-if is a usable engine; each bounds what making that cost smaller co
 """
 
 import argparse
+import contextlib
+import functools
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from bench_scheduler import CONFIGS, NanoVllm, make_scheduler, run_loop, run_once
@@ -43,11 +45,30 @@ def no_metrics(out, touched, outputs) -> None:
     """Metrics taken out: nothing recorded."""
 
 
+# A way replaces methods, each named by its path from the engine.
+NEW_TEXT = "outputs.detokenizer.new_text"
 STEP_WAYS: dict[str, dict[str, Callable]] = {
     "as it is": {},
-    "no detokenization": {"_new_text": no_text},
-    "no detokenization, no metrics": {"_new_text": no_text, "_record": no_metrics},
+    "no detokenization": {NEW_TEXT: no_text},
+    "no detokenization, no metrics": {NEW_TEXT: no_text, "_record": no_metrics},
 }
+
+
+@contextlib.contextmanager
+def step_way(engine: LLMEngine, way: str) -> Iterator[None]:
+    """The engine with ``way``'s methods in place (instance attributes hide the methods), and
+    with its own again afterwards."""
+    owners = []
+    for path, method in STEP_WAYS[way].items():
+        *inner, name = path.split(".")
+        owner = functools.reduce(getattr, inner, engine)
+        vars(owner)[name] = method
+        owners.append((owner, name))
+    try:
+        yield
+    finally:
+        for owner, name in owners:
+            del vars(owner)[name]
 
 
 def step_bounds(rounds: int, console: Console) -> None:
@@ -72,13 +93,9 @@ def measure_steps(
     run_vkv(engine, Workload(workload.prompts[:2], [4, 4]))
     figures: dict[str, list[tuple[float, float, float]]] = {way: [] for way in STEP_WAYS}
     for _ in range(rounds):
-        for way, replaced in STEP_WAYS.items():
-            vars(engine).update(replaced)  # instance attributes hide the methods
-            try:
+        for way in STEP_WAYS:
+            with step_way(engine, way):
                 run = run_vkv(engine, workload)
-            finally:
-                for name in replaced:
-                    delattr(engine, name)
             figures[way].append(_step_figures(run, engine.config.max_num_seqs))
     return figures
 

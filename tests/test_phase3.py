@@ -1133,9 +1133,13 @@ def test_part7_partial_blocks_are_the_blocks_of_each_sequences_partial_tail():
 # ---- Part 3.8: the dequantizing load of the Triton kernels -----------------------------------
 #
 # The given Triton kernels (vkv/kernels/triton_attention.py) run with your load_dequantized, on
-# a CPU under the Triton interpreter (set at the top of this file). The caches are the ones of
-# parts 3.5 and 3.6, built plane by plane, and the expected values come from the tests' own
-# float64 dense attention; single tiles go through a small kernel of the tests' own.
+# DEVICE: Triton either compiles for CUDA or interprets on the CPU, one or the other a process,
+# so that is CUDA where there is a GPU, else the CPU under the Triton interpreter (set at the top
+# of this file); every tensor a kernel reads is made there. The other parts' tests run on the
+# CPU. The caches are the ones of parts 3.5 and 3.6, built plane by plane, and the expected
+# values come from the tests' own float64 dense attention (the kernels dot float32 queries in
+# IEEE precision, on a GPU too: one bound, 1e-4, for both); single tiles go through a small
+# kernel of the tests' own.
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILE_D = 16  # the kernels' BLOCK_D for HEAD_DIM 4: channels 4..15 are padding

@@ -240,7 +240,8 @@ def gpu_busy_share(engine: LLMEngine, workload: Workload, batch: int) -> float |
         )
         share = min(1.0, busy_us / wall_us)
     for request_id in ids:
-        engine.abort(request_id)
+        if not engine.sequence(request_id).is_finished:
+            engine.abort(request_id)
     return share
 
 

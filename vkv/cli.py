@@ -119,7 +119,7 @@ def _grade(args: argparse.Namespace, console: Console) -> int:
 
 
 def _generate(args: argparse.Namespace, console: Console) -> int:
-    from vkv.engine.llm_engine import check_text
+    from vkv.engine.intake import check_text
     from vkv.llm import LLM
     from vkv.sampling_params import SamplingParams
 
@@ -207,7 +207,8 @@ def _view(args: argparse.Namespace, console: Console) -> int:
 def _serve(args: argparse.Namespace, console: Console) -> int:
     import uvicorn
 
-    from vkv.engine.llm_engine import LLMEngine, model_label
+    from vkv.engine.llm_engine import LLMEngine
+    from vkv.engine.startup import model_label
     from vkv.recording import LiveRecording
     from vkv.server import chat_template_of, create_app
     from vkv.view import ViewServer

@@ -27,7 +27,8 @@ from rich.text import Text
 
 from vkv.config import Config
 from vkv.engine.cache_engine import sixteen_bit_ratio
-from vkv.engine.llm_engine import FINISH_REASONS, LLMEngine
+from vkv.engine.llm_engine import LLMEngine
+from vkv.engine.outputs import FINISH_REASONS
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.recording import RecordTo
 from vkv.sampling_params import SamplingParams

@@ -47,8 +47,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from vkv.engine.llm_engine import LLMEngine, RequestOutput
+from vkv.engine.llm_engine import LLMEngine
 from vkv.engine.model_runner import TokenLogprobs
+from vkv.engine.outputs import RequestOutput
 from vkv.net import free_port
 from vkv.sampling_params import MAX_LOGPROBS, SamplingParams
 

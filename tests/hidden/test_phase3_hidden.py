@@ -900,6 +900,8 @@ def test_part7_partial_blocks_of_drawn_sequences(rng):
 
 
 # ---- Part 3.8: the Triton kernels with the submitted load_dequantized --------------------------
+# On DEVICE, as the visible tests: CUDA where there is a GPU, else the CPU under the interpreter
+# (set at the top; Triton does one or the other a process). The other parts run on the CPU.
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

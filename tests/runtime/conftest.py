@@ -1,8 +1,11 @@
-"""Runtime tests run the Triton kernels under the interpreter when no GPU is present."""
+"""The runtime tests' devices (``devices.py`` states the rule; importing it first turns on
+Triton's interpreter where there is no GPU, before any test module imports Triton)."""
 
-import os
+import pytest
+from devices import DEVICES
 
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+@pytest.fixture(scope="session", params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """Each device the torch code runs on under test: the CPU, and CUDA where there is one."""
+    return request.param

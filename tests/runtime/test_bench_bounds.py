@@ -32,12 +32,11 @@ def test_every_step_way_runs_and_the_engine_keeps_its_own_methods(engine):
     assert list(figures) == list(bench_bounds.STEP_WAYS)
     for way, [(share, step_us, host_us)] in figures.items():
         assert 0 < share < 1 and 0 < host_us < step_us, way
-    assert not {"_new_text", "_record"} & set(vars(engine))
+    assert "_record" not in vars(engine) and "new_text" not in vars(engine.outputs.detokenizer)
 
 
 def test_without_detokenization_no_text_comes_and_no_metric_moves(engine):
-    vars(engine).update(bench_bounds.STEP_WAYS["no detokenization, no metrics"])
-    try:
+    with bench_bounds.step_way(engine, "no detokenization, no metrics"):
         engine.add_request(
             engine.tokenizer.encode("The paged KV cache").ids,
             SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
@@ -45,8 +44,6 @@ def test_without_detokenization_no_text_comes_and_no_metric_moves(engine):
         before = engine.metrics.value("generation_tokens_total")
         outputs = [output for _ in range(6) for output in engine.step()]
         after = engine.metrics.value("generation_tokens_total")
-    finally:
-        del engine._new_text, engine._record
     assert sum(len(output.new_token_ids) for output in outputs) == 6
     assert all(output.new_text == "" for output in outputs) and outputs[-1].finished
     assert after == before

@@ -6,7 +6,7 @@ batch of the engine's shape; the fallbacks (no compiler, ``VKV_CPU_KERNEL=0``, a
 does not handle) give the reference's results; greedy completions of vkv-tiny are the same
 with the loop and without it. The compiled loop is required when ``VKV_REQUIRE_CPU_KERNEL=1``
 (``.ci/run`` sets it, after installing a C compiler if there is none); elsewhere the tests of
-the loop skip without one.
+the loop skip without one. The CPU backend is the CPU's: these tests run there on every machine.
 """
 
 import os
@@ -30,7 +30,7 @@ needs_kernel = pytest.mark.skipif(
 
 def decode_both(lengths, num_heads, num_kv_heads, head_dim, block_size, seed=0):
     k_cache, v_cache, tables, dense = build_cache(
-        lengths, num_kv_heads, head_dim, block_size, torch.float32, seed
+        lengths, num_kv_heads, head_dim, block_size, torch.float32, "cpu", seed
     )
     generator = torch.Generator().manual_seed(seed + 1)
     query = torch.randn(len(lengths), num_heads, head_dim, generator=generator)
@@ -78,7 +78,7 @@ def test_the_loop_matches_the_reference_on_an_engine_sized_batch():
 
 
 def test_a_cache_the_loop_does_not_handle_falls_back_to_the_reference():
-    k_cache, v_cache, tables, _ = build_cache([9, 3], 2, 32, 4, torch.float16)
+    k_cache, v_cache, tables, _ = build_cache([9, 3], 2, 32, 4, torch.float16, "cpu")
     query = torch.randn(2, 4, 32).half()
     args = (query, k_cache, v_cache, tables, torch.tensor([9, 3], dtype=torch.int32), 0.2)
     assert torch.equal(

@@ -10,7 +10,7 @@ and steps. After every step it checks the engine's invariants. Then, with no mor
 everything must finish within a bound (no livelock). At the end every poisoned request has
 failed alone (``finish_reason == "error"``, nothing generated) unless it was ignored or aborted
 first, and every other completion (each sample's), whatever ended it, is a prefix of the greedy
-completion of the same prompt served alone.
+completion of the same prompt served alone (so the engines run in float32: ``devices.py``).
 
 The short version runs in every test run; ``uv run pytest -m slow
 tests/runtime/test_fault_driver.py`` runs the long one (20 seeds of 1,000 steps).
@@ -19,6 +19,7 @@ tests/runtime/test_fault_driver.py`` runs the long one (20 seeds of 1,000 steps)
 import random
 
 import pytest
+from devices import EXACT_DTYPE
 from prefix_checks import check_prefix_cache
 from tiny_checkpoints import tiny_hf_model
 
@@ -57,7 +58,9 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def alone(folder):
     """Greedy completions of prompts served one at a time, in a pool that holds everything."""
-    engine = LLMEngine(folder, block_size=16, num_gpu_blocks=64, max_model_len=MAX_MODEL_LEN)
+    engine = LLMEngine(
+        folder, block_size=16, num_gpu_blocks=64, max_model_len=MAX_MODEL_LEN, dtype=EXACT_DTYPE
+    )
     done: dict[tuple[int, ...], list[int]] = {}
 
     def completion(prompt: list[int]) -> list[int]:
@@ -92,6 +95,7 @@ def make_engine(folder, rng: random.Random, kv: dict[str, str | bool]) -> LLMEng
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=rng.choice([16, 64]) if chunked else None,
         preemption_mode=rng.choice(["swap", "recompute"]),
+        dtype=EXACT_DTYPE,
         **kv,
     )
     engine.runner.model = PoisonedModel(engine.runner.model)

@@ -1,28 +1,35 @@
-"""Paged KV kernels: Triton against the PyTorch reference, and both against dense attention.
+"""Paged KV kernels: Triton and the PyTorch reference, each against dense attention.
 
 Random block tables (shuffled, non-contiguous physical blocks), block sizes 1, 16 and a
-non-power of two, GQA ratios 1 and 4, fp32 and fp16, ragged lengths. On a CPU the Triton
-kernels run under the interpreter, so the shapes stay tiny and the tiles large.
+non-power of two, GQA ratios 1 and 4, fp32 and fp16, ragged lengths. The reference runs on
+each of ``DEVICES``, Triton on ``KERNEL_DEVICE`` (``devices.py``); on a CPU the Triton kernels
+run under the interpreter, so the shapes stay tiny and the tiles large. Dense attention is
+computed on the CPU in float32; ``TOLERANCE`` is what the kernel's dtype allows against it.
 """
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
+from devices import BACKENDS, KERNEL_DEVICE
 
+from vkv.engine.cache_engine import QuantizedCache
 from vkv.kernels import reference, triton_attention
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 
 
-def build_cache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """Fill a paged cache through store_kvcache with shuffled tables; also return dense K/V."""
+def build_cache(lengths, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
+    """Fill a paged cache on ``device`` through the reference's store with shuffled tables;
+    also return the dense K/V (on the CPU)."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in lengths]
     num_blocks = sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks, generator=generator)
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    k_cache = k_cache.to(device)
     v_cache = torch.zeros_like(k_cache)
     tables = torch.full((len(lengths), max(blocks_per_seq)), -1, dtype=torch.int32)
     dense, used = [], 0
@@ -34,9 +41,11 @@ def build_cache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=0):
         slots = torch.tensor(
             [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(n)]
         )
-        reference.store_kvcache(keys, values, k_cache, v_cache, slots)
+        reference.store_kvcache(
+            keys.to(device), values.to(device), k_cache, v_cache, slots.to(device)
+        )
         dense.append((keys, values))
-    return k_cache, v_cache, tables, dense
+    return k_cache, v_cache, tables.to(device), dense
 
 
 def dense_decode(query, dense, group, scale):
@@ -49,60 +58,148 @@ def dense_decode(query, dense, group, scale):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@DTYPES
 def test_store_kvcache_matches_the_reference_and_skips_padding(dtype):
     generator = torch.Generator().manual_seed(1)
     key = torch.randn(6, 2, 32, generator=generator).to(dtype)
     value = torch.randn(6, 2, 32, generator=generator).to(dtype)
     slots = torch.tensor([5, 0, -1, 17, 9, -1])
-    caches = [torch.zeros(4, 6, 2, 32, dtype=dtype) for _ in range(4)]
-    reference.store_kvcache(key, value, caches[0], caches[1], slots)
-    triton_attention.store_kvcache(key.to(DEVICE), value.to(DEVICE), caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    expected = [torch.zeros(4, 6, 2, 32, dtype=dtype) for _ in range(2)]
+    reference.store_kvcache(key, value, *expected, slots)
+    caches = [torch.zeros(4, 6, 2, 32, dtype=dtype, device=KERNEL_DEVICE) for _ in range(2)]
+    on = [tensor.to(KERNEL_DEVICE) for tensor in (key, value, slots)]
+    triton_attention.store_kvcache(on[0], on[1], *caches, on[2])
+    assert all(torch.equal(got.cpu(), want) for got, want in zip(caches, expected, strict=True))
     assert caches[0].flatten(0, 1)[[1, 2, 3, 4]].abs().sum() == 0, "untouched slots stay zero"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def decode(backend, query, k_cache, v_cache, tables, context, scale):
+    """Decode attention on ``backend``; Triton in two splits of tiles of 32 (several tiles and
+    splits a sequence)."""
+    if backend == "triton":
+        return triton_attention.paged_decode_attention(
+            query, k_cache, v_cache, tables, context, scale, num_splits=2, block_n=32
+        )
+    return reference.paged_decode_attention(query, k_cache, v_cache, tables, context, scale)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+@DTYPES
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2)], ids=["mha", "gqa4"])
 @pytest.mark.parametrize("block_size", [1, 16, 12])
-def test_paged_decode_matches_reference_and_dense(dtype, num_heads, num_kv_heads, block_size):
+def test_paged_decode_matches_dense_attention(
+    backend, device, dtype, num_heads, num_kv_heads, block_size
+):
     lengths = [1, 37, 20]
     head_dim, scale = 32, 32**-0.5
     k_cache, v_cache, tables, dense = build_cache(
-        lengths, num_kv_heads, head_dim, block_size, dtype
+        lengths, num_kv_heads, head_dim, block_size, dtype, device
     )
     query = torch.randn(
         len(lengths), num_heads, head_dim, generator=torch.Generator().manual_seed(2)
     )
     query = query.to(dtype)
-    context = torch.tensor(lengths, dtype=torch.int32)
+    context = torch.tensor(lengths, dtype=torch.int32, device=device)
     expected = dense_decode(query, dense, num_heads // num_kv_heads, scale)
-    ours = reference.paged_decode_attention(query, k_cache, v_cache, tables, context, scale)
-    torch.testing.assert_close(ours.float(), expected, atol=TOLERANCE[dtype], rtol=0)
-    kernel = triton_attention.paged_decode_attention(
-        query.to(DEVICE),
-        k_cache.to(DEVICE),
-        v_cache.to(DEVICE),
-        tables.to(DEVICE),
-        context.to(DEVICE),
-        scale,
-        num_splits=2,
-        block_n=32,
-    )
-    torch.testing.assert_close(kernel.cpu().float(), expected, atol=TOLERANCE[dtype], rtol=0)
+    got = decode(backend, query.to(device), k_cache, v_cache, tables, context, scale)
+    torch.testing.assert_close(got.cpu().float(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
 def test_paged_decode_rejects_heads_that_do_not_group():
-    cache = torch.zeros(2, 4, 3, 32)
+    cache = torch.zeros(2, 4, 3, 32, device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match="group"):
         triton_attention.paged_decode_attention(
-            torch.zeros(1, 4, 32),
+            torch.zeros(1, 4, 32, device=KERNEL_DEVICE),
             cache,
             cache,
-            torch.zeros(1, 1, dtype=torch.int32),
-            torch.ones(1, dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int32, device=KERNEL_DEVICE),
+            torch.ones(1, dtype=torch.int32, device=KERNEL_DEVICE),
             1.0,
         )
+
+
+def quantized_cache(per_channel: bool) -> QuantizedCache:
+    """An INT8 cache on the CPU: 4 blocks of 4 slots, 2 KV heads of 8 channels; keys per
+    channel carry a residual of one slot."""
+    codes = torch.zeros(4, 4, 2, 8, dtype=torch.uint8)
+    if not per_channel:
+        return QuantizedCache(codes, torch.ones(4, 4, 2, 1), torch.zeros(4, 4, 2, 1), 8)
+    residual, slots = torch.zeros(1, 4, 2, 8), torch.full((4,), -1, dtype=torch.int32)
+    return QuantizedCache(
+        codes, torch.ones(4, 1, 2, 8), torch.zeros(4, 1, 2, 8), 8, residual, slots
+    )
+
+
+def call_with_one_on_meta(function: str, moved: str) -> None:
+    """``triton_attention.<function>`` on CPU arguments but the one named ``moved`` (or the plane
+    ``moved`` names, as in ``k_cache.scale``: then the caches are quantized), on ``meta``."""
+    name, _, plane = moved.partition(".")
+    keys, values = torch.zeros(2, 4, 4, 2, 8).unbind(0)
+    if plane:
+        keys, values = (
+            quantized_cache(per_channel=plane.startswith("residual")),
+            quantized_cache(False),
+        )
+    caches = {"k_cache": keys, "v_cache": values}
+    tables = {"block_tables": torch.zeros(2, 1, dtype=torch.int32)}
+    tables["context_lens"] = torch.ones(2, dtype=torch.int32)
+    arguments = {
+        "store_kvcache": {
+            "key": torch.zeros(3, 2, 8),
+            "value": torch.zeros(3, 2, 8),
+            **caches,
+            "slot_mapping": torch.arange(3),
+        },
+        "paged_decode_attention": {"query": torch.zeros(2, 4, 8), **caches, **tables, "scale": 1.0},
+        "paged_prefill_attention": {
+            "query": torch.zeros(3, 4, 8),
+            **caches,
+            "cu_seqlens_q": torch.tensor([0, 1, 3], dtype=torch.int32),
+            **tables,
+            "scale": 1.0,
+        },
+    }[function]
+    value = arguments[name]
+    if plane:
+        arguments[name] = replace(value, **{plane: getattr(value, plane).to("meta")})
+    else:
+        arguments[name] = value.to("meta")
+    getattr(triton_attention, function)(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("function", "moved", "said"),
+    [
+        ("paged_decode_attention", "block_tables", "block_tables is on meta, the query on cpu"),
+        ("paged_decode_attention", "context_lens", "context_lens is on meta, the query on cpu"),
+        ("paged_decode_attention", "v_cache", "v_cache is on meta, the query on cpu"),
+        ("paged_decode_attention", "query", "k_cache is on cpu, the query on meta"),
+        ("paged_decode_attention", "k_cache.scale", "k_cache.scale is on meta, the query on cpu"),
+        (
+            "paged_decode_attention",
+            "k_cache.residual",
+            "k_cache.residual is on meta, the query on cpu",
+        ),
+        ("paged_prefill_attention", "cu_seqlens_q", "cu_seqlens_q is on meta, the query on cpu"),
+        ("paged_prefill_attention", "k_cache", "k_cache is on meta, the query on cpu"),
+        ("paged_prefill_attention", "v_cache.zero", "v_cache.zero is on meta, the query on cpu"),
+        (
+            "paged_prefill_attention",
+            "k_cache.residual_slot",
+            "k_cache.residual_slot is on meta, the query on cpu",
+        ),
+        ("store_kvcache", "value", "value is on meta, the key on cpu"),
+        ("store_kvcache", "k_cache", "k_cache is on meta, the key on cpu"),
+        ("store_kvcache", "v_cache.codes", "v_cache.codes is on meta, the key on cpu"),
+        ("store_kvcache", "slot_mapping", "slot_mapping is on meta, the key on cpu"),
+    ],
+)
+def test_a_tensor_on_another_device_than_the_query_is_refused_naming_it(function, moved, said):
+    """Every tensor a kernel reads (a quantized cache's planes and residual too) is on the
+    query's device (the key's, for a store), checked before anything is read or launched."""
+    with pytest.raises(ValueError) as refused:
+        call_with_one_on_meta(function, moved)
+    assert str(refused.value) == said
 
 
 def dense_prefill(query_rows, keys, values, group, scale, num_new):
@@ -118,19 +215,31 @@ def dense_prefill(query_rows, keys, values, group, scale, num_new):
     ).transpose(0, 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def prefill(backend, query, k_cache, v_cache, cu, tables, context, scale):
+    """Prefill attention on ``backend``; Triton in tiles of 32 cached tokens."""
+    if backend == "triton":
+        return triton_attention.paged_prefill_attention(
+            query, k_cache, v_cache, cu, tables, context, scale, block_n=32
+        )
+    return reference.paged_prefill_attention(query, k_cache, v_cache, cu, tables, context, scale)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+@DTYPES
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2)], ids=["mha", "gqa4"])
 @pytest.mark.parametrize("block_size", [1, 16, 12])
-def test_paged_prefill_matches_reference_and_dense(dtype, num_heads, num_kv_heads, block_size):
+def test_paged_prefill_matches_dense_attention(
+    backend, device, dtype, num_heads, num_kv_heads, block_size
+):
     lengths, new = [1, 37, 20], [1, 21, 20]  # a one-token prompt, a chunk after context, a prompt
     head_dim, scale = 32, 32**-0.5
     k_cache, v_cache, tables, dense = build_cache(
-        lengths, num_kv_heads, head_dim, block_size, dtype
+        lengths, num_kv_heads, head_dim, block_size, dtype, device
     )
     generator = torch.Generator().manual_seed(3)
     query = torch.randn(sum(new), num_heads, head_dim, generator=generator).to(dtype)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    context = torch.tensor(lengths, dtype=torch.int32)
+    context = torch.tensor(lengths, dtype=torch.int32, device=device)
     group = num_heads // num_kv_heads
     expected = torch.cat(
         [
@@ -138,29 +247,20 @@ def test_paged_prefill_matches_reference_and_dense(dtype, num_heads, num_kv_head
             for i, (keys, values) in enumerate(dense)
         ]
     )
-    ours = reference.paged_prefill_attention(query, k_cache, v_cache, cu, tables, context, scale)
-    torch.testing.assert_close(ours.float(), expected, atol=TOLERANCE[dtype], rtol=0)
-    kernel = triton_attention.paged_prefill_attention(
-        query.to(DEVICE),
-        k_cache.to(DEVICE),
-        v_cache.to(DEVICE),
-        cu.to(DEVICE),
-        tables.to(DEVICE),
-        context.to(DEVICE),
-        scale,
-        block_n=32,
+    got = prefill(
+        backend, query.to(device), k_cache, v_cache, cu.to(device), tables, context, scale
     )
-    torch.testing.assert_close(kernel.cpu().float(), expected, atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(got.cpu().float(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
-def test_reference_works_in_and_out_of_inference_mode():
+def test_reference_works_in_and_out_of_inference_mode(device):
     """The reference reuses its gather buffers (one set per thread). One made under inference
     mode must not break a later call outside it (the model under no_grad after the engine ran);
     a fresh thread starts with no buffers, so the first call below makes them."""
-    k_cache, v_cache = torch.randn(2, 64, 4, 2, 16).unbind(0)
-    tables = torch.arange(64).view(4, 16).int()
-    query = torch.randn(4, 4, 16)
-    lens = torch.tensor([60, 3, 64, 17], dtype=torch.int32)
+    k_cache, v_cache = torch.randn(2, 64, 4, 2, 16, device=device).unbind(0)
+    tables = torch.arange(64, device=device).view(4, 16).int()
+    query = torch.randn(4, 4, 16, device=device)
+    lens = torch.tensor([60, 3, 64, 17], dtype=torch.int32, device=device)
     results = []
 
     def run() -> None:

@@ -1,11 +1,13 @@
-"""LLM / LLMEngine on a checkpoint folder on disk (config.json, safetensors, tokenizer.json)."""
+"""LLM / LLMEngine on a checkpoint folder on disk (config.json, safetensors, tokenizer.json).
+
+What is compared with transformers' tokens runs in float32 (``devices.py``)."""
 
 import json
 import random
 import shutil
-from types import SimpleNamespace
 
 import pytest
+from devices import EXACT_DTYPE
 from safetensors.torch import load_file, save_file
 from tiny_checkpoints import greedy_by_recompute, tiny_hf_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -39,9 +41,9 @@ def greedy(hf, ids, count):
     return greedy_by_recompute(hf, ids, count, eos=0)
 
 
-def test_generate_matches_transformers_and_decodes_text(checkpoint):
+def test_generate_matches_transformers_and_decodes_text(checkpoint, device):
     folder, hf, tokenizer = checkpoint
-    llm = LLM(folder, block_size=4, kv_cache_bytes=1 << 20)
+    llm = LLM(folder, block_size=4, kv_cache_bytes=1 << 20, device=device, dtype=EXACT_DTYPE)
     prompts = ["def fibonacci(n):", "return n"]
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=6), use_progress=False
@@ -93,7 +95,8 @@ def test_a_finished_request_is_kept_until_forgotten_and_generate_forgets_its_own
     outputs = llm.generate(["def", "return"], params, use_progress=False)
     assert [len(o["outputs"]) for o in outputs] == [2, 2]
     assert engine.num_held_requests == 0, "generate forgets the requests it answered"
-    assert not (engine._requests or engine._streamed or engine._logprobs or engine._sample_of)
+    kept = engine.outputs
+    assert not (engine._requests or kept.streamed or kept.logprobs or kept.sample_of)
 
 
 def test_bad_input_is_rejected_and_leaves_other_requests_alone(checkpoint):
@@ -137,6 +140,8 @@ def test_vkv_generate_command(checkpoint, capsys):
             "4",
             "--temperature",
             "0",
+            "--dtype",
+            EXACT_DTYPE,
         ]
     )
     assert code == 0
@@ -285,7 +290,7 @@ def byte_fallback_tokenizer():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_incremental_detokenizing_adds_up_to_the_text_with_byte_fallback(seed):
-    from vkv.engine.llm_engine import Detokenized
+    from vkv.engine.outputs import Detokenized, Detokenizer
 
     tokenizer, vocab = byte_fallback_tokenizer()
     words = [i for name, i in vocab.items() if not name.startswith("<")]
@@ -294,11 +299,10 @@ def test_incremental_detokenizing_adds_up_to_the_text_with_byte_fallback(seed):
     tokens = []
     for _ in range(12):
         tokens += euro if rng.random() < 0.3 else [rng.choice(words)]
-    engine = SimpleNamespace(tokenizer=tokenizer)
-    engine.decode = lambda ids: LLMEngine.decode(engine, ids)
+    detokenizer = Detokenizer(tokenizer)
     state, pieces = Detokenized(), []
     for end in range(1, len(tokens) + 1):
-        piece = LLMEngine._new_text(engine, state, tokens[:end], end == len(tokens))
+        piece = detokenizer.new_text(state, tokens[:end], end == len(tokens))
         assert "\ufffd" not in piece, f"half a character streamed: {piece!r}"
         pieces.append(piece)
     assert "".join(pieces) == tokenizer.decode(tokens)

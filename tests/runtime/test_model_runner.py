@@ -1,9 +1,13 @@
 """Scheduler + ModelRunner + paged model generate exactly what the model generates without a
 cache (transformers recomputing every sequence), also when a tiny pool forces preemption by
-recompute or by swap, and with chunked prefill."""
+recompute or by swap, and with chunked prefill. Each attention backend runs where it runs
+(``devices.py``), in float32, as transformers."""
+
+import copy
 
 import pytest
 import torch
+from devices import BACKENDS, DEVICES
 from tiny_checkpoints import greedy_by_recompute, paired
 
 from vkv.config import Config
@@ -23,16 +27,16 @@ PROMPTS = [
 NEW_TOKENS = [9, 12, 6, 10]
 FINAL_LENS = [len(p) + n for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
 BLOCK_SIZES = [1, 16, 64]
-BACKENDS = pytest.mark.parametrize(
-    "backend", [reference, triton_attention], ids=["torch", "triton"]
-)
+ON_BACKENDS = pytest.mark.parametrize(("backend", "device"), BACKENDS)
+KERNELS = {"torch": reference, "triton": triton_attention}
 
 
 @pytest.fixture(scope="module")
 def models():
+    """Our model on each of ``DEVICES``, and transformers' greedy tokens (on the CPU)."""
     hf, ours = paired("qwen3")
     expected = [greedy_by_recompute(hf, p, n) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
-    return ours, expected
+    return {device: copy.deepcopy(ours).to(device) for device in DEVICES}, expected
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -40,6 +44,8 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 def generate(model, backend, block_size, num_gpu_blocks, **options):
+    """Every prompt's tokens through the engine's parts, on ``model``'s device with ``backend``
+    (a kernels module), and the number of preemptions."""
     config = Config(
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
@@ -50,7 +56,8 @@ def generate(model, backend, block_size, num_gpu_blocks, **options):
     )
     scheduler = Scheduler(config)
     shape = CacheShape(2, config.block_size, 2, 16, torch.float32)
-    cache = CacheEngine(shape, config.num_gpu_blocks, config.num_cpu_blocks, torch.device("cpu"))
+    device = next(model.parameters()).device
+    cache = CacheEngine(shape, config.num_gpu_blocks, config.num_cpu_blocks, device)
     runner = ModelRunner(model, cache, scheduler.block_manager, backend)
     seqs = [
         Sequence(i, p, config.block_size, SamplingParams(temperature=0.0, max_tokens=n))
@@ -78,22 +85,24 @@ def tight_pool(block_size: int) -> int:
     return max(prompts, blocks_for(max(FINAL_LENS), block_size))
 
 
-@BACKENDS
+@ON_BACKENDS
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_paged_engine_generates_what_recomputation_generates(models, backend, block_size):
+def test_paged_engine_generates_what_recomputation_generates(models, backend, device, block_size):
     model, expected = models
-    outputs, preemptions = generate(model, backend, block_size, ample_pool(block_size))
+    outputs, preemptions = generate(
+        model[device], KERNELS[backend], block_size, ample_pool(block_size)
+    )
     assert outputs == expected and preemptions == 0
 
 
-@BACKENDS
+@ON_BACKENDS
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_does_not_change_the_output(models, backend, block_size, mode):
+def test_preemption_does_not_change_the_output(models, backend, device, block_size, mode):
     model, expected = models
     outputs, preemptions = generate(
-        model,
-        backend,
+        model[device],
+        KERNELS[backend],
         block_size,
         tight_pool(block_size),
         num_cpu_blocks=ample_pool(block_size),
@@ -103,10 +112,10 @@ def test_preemption_does_not_change_the_output(models, backend, block_size, mode
     assert outputs == expected
 
 
-def test_chunked_prefill_does_not_change_the_output(models):
+def test_chunked_prefill_does_not_change_the_output(models, device):
     model, expected = models
     outputs, _ = generate(
-        model, reference, 4, 64, enable_chunked_prefill=True, max_num_batched_tokens=5
+        model[device], reference, 4, 64, enable_chunked_prefill=True, max_num_batched_tokens=5
     )
     assert outputs == expected
 

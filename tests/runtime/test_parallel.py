@@ -4,7 +4,8 @@ caching and an int8 cache; a worker that dies ends the run with one error, no pr
 
 The reference is the same engine with ``tensor_parallel_size=1``, whose output the other
 runtime tests hold to transformers'. Each two-process engine starts a worker (a spawned
-Python that imports torch: a few seconds).
+Python that imports torch: a few seconds). Every engine, command and worker here runs on the
+CPU, also on a machine with a GPU (one GPU cannot hold two ranks): ``on_the_cpu``.
 """
 
 import gc
@@ -35,6 +36,12 @@ PROMPTS = [
     "with open(path) as f:\n",
 ]
 SHARED = "# a module docstring that every request of the prefix-caching case begins with\n" * 2
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu(monkeypatch):
+    """``VKV_DEVICE=cpu`` for the engines, the commands and the processes they start."""
+    monkeypatch.setenv("VKV_DEVICE", "cpu")
 
 
 def greedy(tensor_parallel_size: int, prompts=PROMPTS, max_tokens=40, model=None, **options):
@@ -141,12 +148,9 @@ def test_torchrun_starts_every_rank_and_the_others_serve_rank_0(tmp_path):
     arguments = ["generate", "def fibonacci(n):\n", "--temperature", "0", "--max-tokens", "24"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     launcher += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--no-python"]
-    environment = os.environ | {"VKV_DEVICE": "cpu"}
     vkv = shutil.which("vkv") or "vkv"
     command = [*launcher, vkv, *arguments, "--tensor-parallel-size", "2"]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, env=environment, cwd=tmp_path
-    )
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     alone = subprocess.run([vkv, *arguments], capture_output=True, text=True, timeout=300)
     assert done.stdout == alone.stdout and "def fibonacci" in done.stdout

@@ -1,7 +1,9 @@
 """Parallel sampling (``SamplingParams.n``): the prompt is computed once and its blocks shared
-by the n samples, which are preempted and swapped as a group."""
+by the n samples, which are preempted and swapped as a group. The tests that compare two runs'
+tokens run on each device in float32 (``devices.py``)."""
 
 import pytest
+from devices import EXACT_DTYPE
 
 from vkv import LLM, SamplingParams
 from vkv.engine.llm_engine import LLMEngine
@@ -50,8 +52,8 @@ def test_the_prompt_is_computed_once_and_its_blocks_shared():
     assert len({tuple(s.completion_token_ids) for s in samples}) == 4, "four different samples"
 
 
-def test_samples_are_reproducible_and_greedy_samples_equal_one_greedy_completion():
-    llm = LLM(num_gpu_blocks=64)
+def test_samples_are_reproducible_and_greedy_samples_equal_one_greedy_completion(device):
+    llm = LLM(num_gpu_blocks=64, device=device, dtype=EXACT_DTYPE)
     first = llm.generate([PROMPT], SamplingParams(n=3, **SAMPLED), use_progress=False)[0]
     again = llm.generate([PROMPT], SamplingParams(n=3, **SAMPLED), use_progress=False)[0]
     assert [o["token_ids"] for o in first["outputs"]] == [o["token_ids"] for o in again["outputs"]]
@@ -63,11 +65,12 @@ def test_samples_are_reproducible_and_greedy_samples_equal_one_greedy_completion
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
-def test_a_group_under_preemption_gives_the_samples_of_an_ample_pool(mode):
+def test_a_group_under_preemption_gives_the_samples_of_an_ample_pool(mode, device):
     prompts = [PROMPT, "class Stack:\n    def push(self, item):\n"]
     params = SamplingParams(n=3, **SAMPLED)
-    ample = LLM(num_gpu_blocks=256).generate(prompts, params, use_progress=False)
-    small = LLM(num_gpu_blocks=14, num_cpu_blocks=64, preemption_mode=mode)
+    on = {"device": device, "dtype": EXACT_DTYPE}
+    ample = LLM(num_gpu_blocks=256, **on).generate(prompts, params, use_progress=False)
+    small = LLM(num_gpu_blocks=14, num_cpu_blocks=64, preemption_mode=mode, **on)
     tight = small.generate(prompts, params, use_progress=False)
     for got, expected in zip(tight, ample, strict=True):
         assert [o["token_ids"] for o in got["outputs"]] == [

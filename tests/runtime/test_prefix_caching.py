@@ -1,9 +1,11 @@
 """Prefix caching in the engine: the scheduler charges only the uncached rest of a prompt, and
 greedy output with caching on equals output with it off in pools small enough to preempt and
-evict in every run. The PrefixCachingBlockManager's own rules, and the state machine over it
-with a model of each slot's prefix, are graded: ``tests/test_phase4.py``, parts 4.5-4.9."""
+evict in every run (on each device, in float32: ``devices.py``). The PrefixCachingBlockManager's
+own rules, and the state machine over it with a model of each slot's prefix, are graded:
+``tests/test_phase4.py``, parts 4.5-4.9."""
 
 import pytest
+from devices import EXACT_DTYPE
 
 from vkv import LLM, SamplingParams
 from vkv.config import Config
@@ -43,7 +45,7 @@ CASES += [(16, "swap", 18, 24), (64, "recompute", 7, 64), (64, "swap", 7, 64)]
 
 @pytest.mark.parametrize(("block_size", "mode", "num_gpu_blocks", "max_tokens"), CASES)
 def test_greedy_output_is_the_same_with_prefix_caching_on_and_off(
-    block_size, mode, num_gpu_blocks, max_tokens
+    block_size, mode, num_gpu_blocks, max_tokens, device
 ):
     """Pools far smaller than the working set: preemption and eviction in every run."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -56,6 +58,8 @@ def test_greedy_output_is_the_same_with_prefix_caching_on_and_off(
             preemption_mode=mode,
             max_model_len=num_gpu_blocks * block_size,
             enable_prefix_caching=caching,
+            device=device,
+            dtype=EXACT_DTYPE,
         )
         results = llm.generate(PROMPTS, params, use_progress=False)
         outputs[caching] = [result["token_ids"] for result in results]

@@ -83,13 +83,13 @@ def test_without_phase_5s_logger_the_engine_runs_without_metrics_and_says_so(unf
     ("options", "part", "what"),
     [
         ({}, "1.1", "the engine (its Sequence, BlockManager and Scheduler)"),
-        (
-            {"kv_cache_dtype": "int8"},
+        (  # the backend named: on a GPU the engine's default is triton
+            {"kv_cache_dtype": "int8", "backend": "torch"},
             "3.2",
             "a quantized KV cache (--kv-cache-dtype int8) on the torch backend",
         ),
         (
-            {"kv_cache_dtype": "int4"},
+            {"kv_cache_dtype": "int4", "backend": "torch"},
             "3.2",
             "a quantized KV cache (--kv-cache-dtype int4) on the torch backend",
         ),

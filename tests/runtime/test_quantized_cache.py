@@ -9,10 +9,15 @@ same codes; a swapped block keeps them); the Triton kernels (under the interpret
 store and read what the reference does; bad input changes nothing. Keys per channel: a partial
 block's keys read back exactly (the residual), a filled block's as the per-channel round trip of
 its tokens; the residual follows its block through swaps and copies and gives its slots back.
+
+Devices (``devices.py``): the reference runs on each of ``DEVICES``, its expected values made on
+the same device; the Triton kernels on ``KERNEL_DEVICE``; engines that compare tokens in
+``EXACT_DTYPE``.
 """
 
 import pytest
 import torch
+from devices import BACKENDS, EXACT_DTYPE, KERNEL_DEVICE
 
 from vkv import LLM, SamplingParams
 from vkv.cli import main
@@ -26,10 +31,10 @@ PLANES = ("codes", "key scale", "key zero", "value scale", "value zero")
 
 
 def quantized_engine(
-    bits: int, blocks: int = 6, cpu_blocks: int = 4, group: str = "head"
+    bits: int, device: str, blocks: int = 6, cpu_blocks: int = 4, group: str = "head"
 ) -> CacheEngine:
     shape = CacheShape(2, BLOCK, HEADS, DIM, torch.float32, f"int{bits}", quant_group=group)
-    return CacheEngine(shape, blocks, cpu_blocks, torch.device("cpu"))
+    return CacheEngine(shape, blocks, cpu_blocks, torch.device(device))
 
 
 def round_trip(x: torch.Tensor, bits: int, group: str = "head") -> torch.Tensor:
@@ -41,31 +46,30 @@ def round_trip(x: torch.Tensor, bits: int, group: str = "head") -> torch.Tensor:
 
 @pytest.mark.parametrize("group", ["head", "token"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_stored_tokens_read_back_as_their_dequantized_values(bits, group):
-    k_cache, v_cache = quantized_engine(bits, group=group).layer(1)
-    keys, values = torch.randn(5, HEADS, DIM) * 3, torch.randn(5, HEADS, DIM)
-    slots = torch.tensor([0, 1, -1, 9, 5])  # -1: padding, skipped
+def test_stored_tokens_read_back_as_their_dequantized_values(bits, group, device):
+    k_cache, v_cache = quantized_engine(bits, device, group=group).layer(1)
+    keys = torch.randn(5, HEADS, DIM, device=device) * 3
+    values = torch.randn(5, HEADS, DIM, device=device)
+    slots = torch.tensor([0, 1, -1, 9, 5], device=device)  # -1: padding, skipped
     reference.store_kvcache(keys, values, k_cache, v_cache, slots)
-    table = torch.tensor([[0, 1, 2]])
+    table = torch.tensor([[0, 1, 2]], device=device)
     got = reference.gather_blocks(k_cache, table, into="keys")[0].transpose(0, 1)  # [12, H, D]
     expected = round_trip(keys, bits, group)
     for row, slot in ((0, 0), (1, 1), (3, 9), (4, 5)):
         assert torch.equal(got[slot], expected[row]), f"slot {slot} holds token {row}"
-    assert torch.equal(got[2], torch.zeros(HEADS, DIM)), "the padded token wrote nothing"
+    assert not got[2].any(), "the padded token wrote nothing"
     values_back = reference.gather_blocks(v_cache, table, into="values")[0].transpose(0, 1)
     assert torch.equal(values_back[9], round_trip(values, bits, group)[3])
 
 
-def test_a_token_that_cannot_be_quantized_leaves_the_cache_as_it_was():
-    engine = quantized_engine(8)
+def test_a_token_that_cannot_be_quantized_leaves_the_cache_as_it_was(device):
+    engine = quantized_engine(8, device)
     before = [plane.clone() for plane in engine.gpu_planes]
     k_cache, v_cache = engine.layer(0)
-    values = torch.randn(2, HEADS, DIM)
+    keys, values = torch.randn(2, 2, HEADS, DIM, device=device).unbind(0)
     values[1, 0, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or infinite"):
-        reference.store_kvcache(
-            torch.randn(2, HEADS, DIM), values, k_cache, v_cache, torch.tensor([0, 1])
-        )
+        reference.store_kvcache(keys, values, k_cache, v_cache, torch.tensor([0, 1], device=device))
     assert all(torch.equal(a, b) for a, b in zip(engine.gpu_planes, before, strict=True)), (
         "nothing may be half-written: the keys were not stored either"
     )
@@ -78,44 +82,38 @@ def dense(query, keys, values, scale, causal_from=None):
     v = values.repeat_interleave(group, dim=1).transpose(0, 1)
     scores = query.transpose(0, 1) @ k.transpose(1, 2) * scale
     if causal_from is not None:
-        positions = torch.arange(causal_from, causal_from + query.shape[0])
-        scores = scores.masked_fill(
-            torch.arange(keys.shape[0])[None, :] > positions[:, None], -1e30
-        )
+        positions = torch.arange(causal_from, causal_from + query.shape[0], device=query.device)
+        after = torch.arange(keys.shape[0], device=query.device)[None, :] > positions[:, None]
+        scores = scores.masked_fill(after, -1e30)
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
 @pytest.mark.parametrize("group", ["head", "token"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_paged_attention_equals_dense_attention_on_the_dequantized_values(bits, group):
+def test_paged_attention_equals_dense_attention_on_the_dequantized_values(bits, group, device):
     torch.manual_seed(bits)
-    k_cache, v_cache = quantized_engine(bits, blocks=8, group=group).layer(0)
-    tables = torch.tensor([[3, 0, 5], [6, 1, -1]])
+    k_cache, v_cache = quantized_engine(bits, device, blocks=8, group=group).layer(0)
+    tables = torch.tensor([[3, 0, 5], [6, 1, -1]], device=device)
     lengths = [11, 6]
     stored = []
     for table, length in zip(tables.tolist(), lengths, strict=True):
-        keys, values = torch.randn(length, HEADS, DIM) * 2, torch.randn(length, HEADS, DIM)
-        slots = torch.tensor([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(length)])
-        reference.store_kvcache(keys, values, k_cache, v_cache, slots)
+        keys = torch.randn(length, HEADS, DIM, device=device) * 2
+        values = torch.randn(length, HEADS, DIM, device=device)
+        slots = [table[i // BLOCK] * BLOCK + i % BLOCK for i in range(length)]
+        reference.store_kvcache(keys, values, k_cache, v_cache, torch.tensor(slots, device=device))
         stored.append((round_trip(keys, bits, group), round_trip(values, bits, group)))
     scale = DIM**-0.5
-    query = torch.randn(2, 4, DIM)
-    out = reference.paged_decode_attention(
-        query, k_cache, v_cache, tables, torch.tensor(lengths), scale
-    )
+    query = torch.randn(2, 4, DIM, device=device)
+    context_lens = torch.tensor(lengths, device=device)
+    out = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
     for i, (keys, values) in enumerate(stored):
         expected = dense(query[i : i + 1], keys, values, scale)[0]
         assert torch.allclose(out[i], expected, atol=1e-5), f"decode, sequence {i}"
     new = [3, 2]
-    prefill_query = torch.randn(sum(new), 4, DIM)
+    prefill_query = torch.randn(sum(new), 4, DIM, device=device)
+    cu_seqlens = torch.tensor([0, 3, 5], device=device)
     out = reference.paged_prefill_attention(
-        prefill_query,
-        k_cache,
-        v_cache,
-        torch.tensor([0, 3, 5]),
-        tables,
-        torch.tensor(lengths),
-        scale,
+        prefill_query, k_cache, v_cache, cu_seqlens, tables, context_lens, scale
     )
     for i, ((keys, values), start, count) in enumerate(zip(stored, (0, 3), new, strict=True)):
         rows = prefill_query[start : start + count]
@@ -131,14 +129,16 @@ def assert_same_stores(ours: CacheEngine, theirs: CacheEngine) -> None:
 
 
 def assert_triton_reads_as_the_reference(caches, tables: list, lengths: list[int]) -> None:
-    """Decode and prefill attention over ``caches``: Triton against the reference."""
-    tables = torch.tensor(tables, dtype=torch.int32)
-    lengths = torch.tensor(lengths, dtype=torch.int32)
-    query, scale = torch.randn(2, 4, DIM), DIM**-0.5
+    """Decode and prefill attention over ``caches`` (on ``KERNEL_DEVICE``): Triton against the
+    reference."""
+    tables = torch.tensor(tables, dtype=torch.int32, device=KERNEL_DEVICE)
+    lengths = torch.tensor(lengths, dtype=torch.int32, device=KERNEL_DEVICE)
+    query, scale = torch.randn(2, 4, DIM, device=KERNEL_DEVICE), DIM**-0.5
     expected = reference.paged_decode_attention(query, *caches, tables, lengths, scale)
     got = triton_attention.paged_decode_attention(query, *caches, tables, lengths, scale)
     assert torch.allclose(got, expected, atol=2e-5), "decode: triton against the reference"
-    rows, cu_seqlens = torch.randn(5, 4, DIM), torch.tensor([0, 3, 5], dtype=torch.int32)
+    rows = torch.randn(5, 4, DIM, device=KERNEL_DEVICE)
+    cu_seqlens = torch.tensor([0, 3, 5], dtype=torch.int32, device=KERNEL_DEVICE)
     expected = reference.paged_prefill_attention(rows, *caches, cu_seqlens, tables, lengths, scale)
     got = triton_attention.paged_prefill_attention(
         rows, *caches, cu_seqlens, tables, lengths, scale
@@ -149,12 +149,13 @@ def assert_triton_reads_as_the_reference(caches, tables: list, lengths: list[int
 @pytest.mark.parametrize("group", ["head", "token"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_triton_kernels_store_and_read_what_the_reference_does(bits, group):
-    """Triton quantizes on store and dequantizes on load (here under the interpreter)."""
+    """Triton quantizes on store and dequantizes on load (on a CPU under the interpreter)."""
     torch.manual_seed(10 + bits)
-    ours = quantized_engine(bits, blocks=8, group=group)
-    theirs = quantized_engine(bits, blocks=8, group=group)
-    keys, values = torch.randn(20, HEADS, DIM) * 2, torch.randn(20, HEADS, DIM)
-    slots = torch.tensor([*range(19), -1])
+    ours = quantized_engine(bits, KERNEL_DEVICE, blocks=8, group=group)
+    theirs = quantized_engine(bits, KERNEL_DEVICE, blocks=8, group=group)
+    keys = torch.randn(20, HEADS, DIM, device=KERNEL_DEVICE) * 2
+    values = torch.randn(20, HEADS, DIM, device=KERNEL_DEVICE)
+    slots = torch.tensor([*range(19), -1], device=KERNEL_DEVICE)
     reference.store_kvcache(keys, values, *theirs.layer(1), slots)
     triton_attention.store_kvcache(keys, values, *ours.layer(1), slots)
     assert_same_stores(ours, theirs)
@@ -163,11 +164,12 @@ def test_the_triton_kernels_store_and_read_what_the_reference_does(bits, group):
 
 
 def test_the_triton_store_refuses_nan_before_writing():
-    engine = quantized_engine(4)
-    keys = torch.randn(2, HEADS, DIM)
+    engine = quantized_engine(4, KERNEL_DEVICE)
+    keys = torch.randn(2, HEADS, DIM, device=KERNEL_DEVICE)
     keys[0, 1, 2] = float("inf")
+    slots = torch.tensor([0, 1], device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match="NaN or infinite"):
-        triton_attention.store_kvcache(keys, keys.clone(), *engine.layer(0), torch.tensor([0, 1]))
+        triton_attention.store_kvcache(keys, keys.clone(), *engine.layer(0), slots)
     assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes), "nothing written"
 
 
@@ -175,24 +177,28 @@ def test_the_triton_store_refuses_nan_before_writing():
     ("keys", "group"), [("per_token", "head"), ("per_channel", "head"), ("per_token", "token")]
 )
 def test_int8_kv_generates_the_same_tokens_on_both_backends(keys, group):
+    """Each backend on each device it runs on (``BACKENDS``) gives the same tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["def fibonacci(n):\n", "import os\n"]
-    outputs = [
-        LLM(
+    tokens = {}
+    for backend, device in BACKENDS:
+        llm = LLM(
             backend=backend,
+            device=device,
+            dtype=EXACT_DTYPE,
             kv_cache_dtype="int8",
             key_granularity=keys,
             kv_quant_group=group,
             block_size=4,
             num_gpu_blocks=16,
-        ).generate(prompts, params, use_progress=False)
-        for backend in ("torch", "triton")
-    ]
-    assert [o["token_ids"] for o in outputs[0]] == [o["token_ids"] for o in outputs[1]]
+        )
+        outputs = llm.generate(prompts, params, use_progress=False)
+        tokens[f"{backend} on {device}"] = [output["token_ids"] for output in outputs]
+    assert len(set(map(str, tokens.values()))) == 1, tokens
 
 
-def test_swaps_and_copies_move_the_scales_with_the_codes():
-    engine = quantized_engine(4, blocks=6, cpu_blocks=5)
+def test_swaps_and_copies_move_the_scales_with_the_codes(device):
+    engine = quantized_engine(4, device, blocks=6, cpu_blocks=5)
     for plane in engine.gpu_planes:
         plane.copy_(torch.randint(0, 200, plane.shape).to(plane.dtype))
     before = [plane.clone() for plane in engine.gpu_planes]
@@ -247,17 +253,12 @@ def test_bad_quantized_options_are_refused():
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_with_int8_kv_gives_the_tokens_of_an_ample_pool(mode):
+def test_preemption_with_int8_kv_gives_the_tokens_of_an_ample_pool(mode, device):
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def"]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    ample = LLM(kv_cache_dtype="int8", block_size=4, num_gpu_blocks=128)
-    tight = LLM(
-        kv_cache_dtype="int8",
-        block_size=4,
-        num_gpu_blocks=16,
-        num_cpu_blocks=32,
-        preemption_mode=mode,
-    )
+    options = {"kv_cache_dtype": "int8", "block_size": 4, "device": device, "dtype": EXACT_DTYPE}
+    ample = LLM(num_gpu_blocks=128, **options)
+    tight = LLM(num_gpu_blocks=16, num_cpu_blocks=32, preemption_mode=mode, **options)
     expected = [o["token_ids"] for o in ample.generate(prompts, params, use_progress=False)]
     got = [o["token_ids"] for o in tight.generate(prompts, params, use_progress=False)]
     assert tight.engine.scheduler.num_preemptions > 0, "the tight pool must preempt"
@@ -277,22 +278,29 @@ def test_generate_takes_a_kv_cache_dtype(capsys):
 
 
 def channel_engine(
-    bits: int, blocks: int = 8, cpu_blocks: int = 4, slots: int = 4, group: str = "head"
+    bits: int,
+    device: str,
+    blocks: int = 8,
+    cpu_blocks: int = 4,
+    slots: int = 4,
+    group: str = "head",
 ) -> CacheEngine:
     shape = CacheShape(2, BLOCK, HEADS, DIM, torch.float32, f"int{bits}", "per_channel", group)
-    return CacheEngine(shape, blocks, cpu_blocks, torch.device("cpu"), residual_slots=slots)
+    return CacheEngine(shape, blocks, cpu_blocks, torch.device(device), residual_slots=slots)
 
 
 def store(engine: CacheEngine, keys, values, slots: list[int], backend=reference) -> None:
     """One step: plan the key writes for ``slots``, then store every layer."""
     engine.plan_step(slots)
+    slot_mapping = torch.tensor(slots, device=engine.device)
     for layer in range(2):
-        backend.store_kvcache(keys, values, *engine.layer(layer), torch.tensor(slots))
+        backend.store_kvcache(keys, values, *engine.layer(layer), slot_mapping)
 
 
 def read_keys(engine: CacheEngine, table: list[int], layer: int = 1) -> torch.Tensor:
     """The keys attention reads through ``table``: ``[tokens, heads, dim]``."""
-    keys = reference.gather_blocks(engine.layer(layer)[0], torch.tensor([table]), into="keys")
+    tables = torch.tensor([table], device=engine.device)
+    keys = reference.gather_blocks(engine.layer(layer)[0], tables, into="keys")
     return keys[0].transpose(0, 1)
 
 
@@ -306,10 +314,11 @@ def slots_of(table: list[int], start: int, end: int) -> list[int]:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_keys_per_channel_wait_in_full_precision_until_their_block_fills(bits):
-    engine = channel_engine(bits)
+def test_keys_per_channel_wait_in_full_precision_until_their_block_fills(bits, device):
+    engine = channel_engine(bits, device)
     table = [3, 1, 6]
-    keys, values = torch.randn(10, HEADS, DIM) * 3, torch.randn(10, HEADS, DIM)
+    keys = torch.randn(10, HEADS, DIM, device=device) * 3
+    values = torch.randn(10, HEADS, DIM, device=device)
     store(engine, keys[:3], values[:3], slots_of(table, 0, 3))  # block 3 partial
     assert torch.equal(read_keys(engine, table)[:3], keys[:3]), "a partial block reads exactly"
     store(engine, keys[3:4], values[3:4], slots_of(table, 3, 4))  # fills block 3
@@ -324,18 +333,21 @@ def test_keys_per_channel_wait_in_full_precision_until_their_block_fills(bits):
     assert torch.equal(read[4:8], channel_round_trip(keys[4:8], bits)), "filled straight away"
     assert torch.equal(read[8:10], keys[8:10]), "the new partial block reads exactly"
     assert torch.equal(read[:4], expected), "earlier blocks are unchanged"
-    values_back = reference.gather_blocks(engine.layer(1)[1], torch.tensor([table]), "values")
+    values_back = reference.gather_blocks(
+        engine.layer(1)[1], torch.tensor([table], device=device), "values"
+    )
     assert torch.equal(values_back[0].transpose(0, 1)[:10], round_trip(values, bits)), (
         "values stay per token"
     )
     assert engine.residual.num_used == 1
 
 
-def test_a_step_that_runs_again_reads_the_same_keys():
+def test_a_step_that_runs_again_reads_the_same_keys(device):
     """``LLMEngine`` re-runs a failed batch: planning and storing twice changes nothing."""
-    engine = channel_engine(8)
+    engine = channel_engine(8, device)
     table = [2, 5]
-    keys, values = torch.randn(7, HEADS, DIM), torch.randn(7, HEADS, DIM)
+    keys = torch.randn(7, HEADS, DIM, device=device)
+    values = torch.randn(7, HEADS, DIM, device=device)
     store(engine, keys[:3], values[:3], slots_of(table, 0, 3))
     engine.apply({}, {}, {}, partial_gpu={2})
     store(engine, keys[3:7], values[3:7], slots_of(table, 3, 7))
@@ -344,18 +356,19 @@ def test_a_step_that_runs_again_reads_the_same_keys():
     assert torch.equal(read_keys(engine, table)[:7], once)
 
 
-def test_a_block_written_past_offset_zero_without_a_residual_is_an_error():
-    engine = channel_engine(8)
+def test_a_block_written_past_offset_zero_without_a_residual_is_an_error(device):
+    engine = channel_engine(8, device)
     with pytest.raises(RuntimeError, match="block 2 is written from offset 1 but holds no key"):
         engine.plan_step([9])
 
 
-def test_a_freed_partial_block_gives_its_slot_back_even_when_already_given_to_another():
+def test_a_freed_partial_block_gives_its_slot_back_even_when_already_given_to_another(device):
     """The scheduler may hand a freed block to a new sequence before the step's maps are
     applied (a chunked prefill writes it steps later): what is no running sequence's partial
     block gives its slot back, whoever holds the block now."""
-    engine = channel_engine(8, slots=2)
-    keys, values = torch.randn(6, HEADS, DIM), torch.randn(6, HEADS, DIM)
+    engine = channel_engine(8, device, slots=2)
+    keys = torch.randn(6, HEADS, DIM, device=device)
+    values = torch.randn(6, HEADS, DIM, device=device)
     store(engine, keys[:2], values[:2], [4, 5])  # block 1, partial
     store(engine, keys[2:4], values[2:4], [8, 9])  # block 2, partial
     assert engine.residual.gpu_blocks == {1, 2}
@@ -368,13 +381,15 @@ def test_a_freed_partial_block_gives_its_slot_back_even_when_already_given_to_an
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_the_residual_follows_its_block_through_swaps_and_copies(bits):
-    engine = channel_engine(bits, blocks=8, cpu_blocks=4)
-    keys, values = torch.randn(6, HEADS, DIM) * 2, torch.randn(6, HEADS, DIM)
+def test_the_residual_follows_its_block_through_swaps_and_copies(bits, device):
+    engine = channel_engine(bits, device, blocks=8, cpu_blocks=4)
+    keys = torch.randn(6, HEADS, DIM, device=device) * 2
+    values = torch.randn(6, HEADS, DIM, device=device)
     store(engine, keys, values, slots_of([4, 5], 0, 6))  # block 4 full, block 5 partial
     engine.apply({4: 0, 5: 1}, {}, {}, partial_cpu={1})  # swapped out: 5 is the partial one
     assert engine.residual.num_used == 0 and engine.residual.cpu_blocks == {1}
-    store(engine, torch.randn(4, HEADS, DIM), torch.randn(4, HEADS, DIM), [20, 21, 22, 23])
+    other_keys, other_values = torch.randn(2, 4, HEADS, DIM, device=device).unbind(0)
+    store(engine, other_keys, other_values, [20, 21, 22, 23])
     engine.apply({}, {0: 6, 1: 7}, {}, partial_gpu={7})  # back into other blocks
     assert engine.residual.gpu_blocks == {7} and engine.residual.cpu_blocks == set()
     engine.plan_step(slots_of([6, 7], 6, 7))  # the next token goes to block 7, offset 2
@@ -390,10 +405,11 @@ def test_the_residual_follows_its_block_through_swaps_and_copies(bits):
     assert engine.residual.gpu_blocks == {7}
 
 
-def test_slots_are_given_back_before_a_swap_in_takes_one():
+def test_slots_are_given_back_before_a_swap_in_takes_one(device):
     """Two slots, both held by blocks that filled last step: a swap-in still finds one."""
-    engine = channel_engine(8, slots=2)
-    keys, values = torch.randn(10, HEADS, DIM), torch.randn(10, HEADS, DIM)
+    engine = channel_engine(8, device, slots=2)
+    keys = torch.randn(10, HEADS, DIM, device=device)
+    values = torch.randn(10, HEADS, DIM, device=device)
     store(engine, keys[8:10], values[8:10], [8, 9])  # block 2, partial
     engine.apply({2: 3}, {}, {}, partial_cpu={3})  # swapped out with its rows
     store(engine, keys[:3], values[:3], [0, 1, 2])
@@ -407,13 +423,14 @@ def test_slots_are_given_back_before_a_swap_in_takes_one():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_paged_attention_with_keys_per_channel_equals_dense_attention(bits):
+def test_paged_attention_with_keys_per_channel_equals_dense_attention(bits, device):
     torch.manual_seed(20 + bits)
-    engine = channel_engine(bits, blocks=8)
+    engine = channel_engine(bits, device, blocks=8)
     tables, lengths = [[3, 0, 5], [6, 1, -1]], [11, 6]
     stored = []
     for table, length in zip(tables, lengths, strict=True):
-        keys, values = torch.randn(length, HEADS, DIM) * 2, torch.randn(length, HEADS, DIM)
+        keys = torch.randn(length, HEADS, DIM, device=device) * 2
+        values = torch.randn(length, HEADS, DIM, device=device)
         store(engine, keys, values, slots_of(table, 0, length))
         full = length // BLOCK * BLOCK
         expected_keys = torch.cat(
@@ -427,16 +444,16 @@ def test_paged_attention_with_keys_per_channel_equals_dense_attention(bits):
         stored.append((expected_keys, round_trip(values, bits)))
     engine.plan_step(slots_of(tables[0], 10, 11) + slots_of(tables[1], 5, 6))  # both partial
     k_cache, v_cache = engine.layer(1)
-    scale, query = DIM**-0.5, torch.randn(2, 4, DIM)
-    out = reference.paged_decode_attention(
-        query, k_cache, v_cache, torch.tensor(tables), torch.tensor(lengths), scale
-    )
+    scale, query = DIM**-0.5, torch.randn(2, 4, DIM, device=device)
+    table_rows = torch.tensor(tables, device=device)
+    context_lens = torch.tensor(lengths, device=device)
+    out = reference.paged_decode_attention(query, k_cache, v_cache, table_rows, context_lens, scale)
     for i, (keys, values) in enumerate(stored):
         expected = dense(query[i : i + 1], keys, values, scale)[0]
         assert torch.allclose(out[i], expected, atol=1e-5), f"decode, sequence {i}"
-    rows, cu_seqlens = torch.randn(5, 4, DIM), torch.tensor([0, 3, 5])
+    rows, cu_seqlens = torch.randn(5, 4, DIM, device=device), torch.tensor([0, 3, 5], device=device)
     out = reference.paged_prefill_attention(
-        rows, k_cache, v_cache, cu_seqlens, torch.tensor(tables), torch.tensor(lengths), scale
+        rows, k_cache, v_cache, cu_seqlens, table_rows, context_lens, scale
     )
     for i, ((keys, values), start, count) in enumerate(zip(stored, (0, 3), (3, 2), strict=True)):
         expected = dense(rows[start : start + count], keys, values, scale, lengths[i] - count)
@@ -448,8 +465,10 @@ def test_paged_attention_with_keys_per_channel_equals_dense_attention(bits):
 def test_the_triton_kernels_handle_keys_per_channel_as_the_reference_does(bits, group):
     """Values grouped per head or per token (all heads), keys per channel with a residual."""
     torch.manual_seed(30 + bits)
-    ours, theirs = channel_engine(bits, group=group), channel_engine(bits, group=group)
-    keys, values = torch.randn(18, HEADS, DIM) * 2, torch.randn(18, HEADS, DIM)
+    ours = channel_engine(bits, KERNEL_DEVICE, group=group)
+    theirs = channel_engine(bits, KERNEL_DEVICE, group=group)
+    keys = torch.randn(18, HEADS, DIM, device=KERNEL_DEVICE) * 2
+    values = torch.randn(18, HEADS, DIM, device=KERNEL_DEVICE)
     slots = slots_of([0, 1, 2], 0, 11) + slots_of([5, 6], 0, 7)
     store(theirs, keys, values, slots)
     store(ours, keys, values, slots, backend=triton_attention)
@@ -458,25 +477,27 @@ def test_the_triton_kernels_handle_keys_per_channel_as_the_reference_does(bits, 
     assert_triton_reads_as_the_reference(theirs.layer(0), [[0, 1, 2], [5, 6, -1]], [11, 7])
 
 
-@pytest.mark.parametrize("backend", [reference, triton_attention])
-def test_a_nan_key_per_channel_leaves_cache_and_residual_as_they_were(backend):
-    engine = channel_engine(8)
-    keys = torch.randn(5, HEADS, DIM)
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_a_nan_key_per_channel_leaves_cache_and_residual_as_they_were(backend, device):
+    engine = channel_engine(8, device)
+    keys, values = torch.randn(2, 5, HEADS, DIM, device=device).unbind(0)
     keys[4, 0, 1] = float("nan")
+    kernels = triton_attention if backend == "triton" else reference
     with pytest.raises(ValueError, match="NaN or infinite"):
-        store(engine, keys, torch.randn(5, HEADS, DIM), list(range(5)), backend)
+        store(engine, keys, values, list(range(5)), kernels)
     assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes)
     assert engine.residual.keys.abs().sum() == 0
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_swap_preemption_with_keys_per_channel_gives_the_tokens_of_an_ample_pool(bits):
+def test_swap_preemption_with_keys_per_channel_gives_the_tokens_of_an_ample_pool(bits, device):
     """A swap moves codes, scales and residual rows exactly. (Recompute is not exact with keys
     per channel: a recomputed token attends to its own block quantized, where it first read it
     in full precision; it must still serve every request and hand every slot back.)"""
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def"]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     options = {"kv_cache_dtype": f"int{bits}", "key_granularity": "per_channel", "block_size": 4}
+    options |= {"device": device, "dtype": EXACT_DTYPE}
     ample = LLM(num_gpu_blocks=128, **options)
     expected = [o["token_ids"] for o in ample.generate(prompts, params, use_progress=False)]
     for mode in ("swap", "recompute"):

@@ -1,12 +1,14 @@
 """The engine's sampling options beyond temperature / top-k / top-p: stop strings, checked by
 the engine each step (the request finishes as ``stop`` before another step runs it); presence
 and frequency penalties and a logit bias, against a direct computation on Hugging Face's logits
-of vkv-tiny; logprobs, the log-softmax of those raw logits."""
+of vkv-tiny; logprobs, the log-softmax of those raw logits. The engine runs on each device in
+float32, as Hugging Face's model here (``devices.py``): logprobs agree to 1e-4."""
 
 import math
 
 import pytest
 import torch
+from devices import EXACT_DTYPE
 from transformers import AutoModelForCausalLM
 
 from vkv import LLM, SamplingParams
@@ -17,8 +19,8 @@ PROMPT = "def f(x):\n"
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(num_gpu_blocks=64)
+def llm(device):
+    return LLM(num_gpu_blocks=64, device=device, dtype=EXACT_DTYPE)
 
 
 def run(llm: LLM, **options) -> dict:

@@ -1,6 +1,7 @@
 """``vkv serve`` through the official ``openai`` client, on 127.0.0.1: completions and chat,
 streamed and not, ``n``, ``stop``, ``seed``; bad input gets OpenAI-style errors; a client that
-leaves mid-stream frees its blocks."""
+leaves mid-stream frees its blocks. The shared server runs in float32 (``devices.py``): a
+request's tokens and logprobs, streamed or not, must not depend on the batch it ran in."""
 
 import itertools
 import json
@@ -11,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from devices import EXACT_DTYPE
 
 from vkv.engine.llm_engine import LLMEngine
 from vkv.engine.parallel import WorkerError
@@ -50,7 +52,11 @@ BAD_VALUES = [  # served fields with values OpenAI does not allow: (path, extra 
 @pytest.fixture(scope="module")
 def server():
     engine = LLMEngine(
-        num_gpu_blocks=600, max_model_len=1024, max_num_seqs=16, enable_prefix_caching=True
+        num_gpu_blocks=600,
+        max_model_len=1024,
+        max_num_seqs=16,
+        enable_prefix_caching=True,
+        dtype=EXACT_DTYPE,
     )
     uv, url = serve_in_thread(engine, MODEL)
     yield engine, url

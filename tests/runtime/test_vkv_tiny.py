@@ -1,5 +1,7 @@
 """The built-in vkv-tiny checkpoint, and the commands that run on it: ``vkv generate``,
-``vkv demo`` and ``vkv bench e2e``."""
+``vkv demo`` and ``vkv bench e2e``. What is compared with transformers' tokens runs in float32,
+each backend where it runs (``devices.py``); seeded samples whose text is checked run on the CPU
+(``llm``); the rest on the engine's default device."""
 
 import io
 import json
@@ -7,6 +9,7 @@ import re
 
 import pytest
 import torch
+from devices import BACKENDS, EXACT_DTYPE
 from rich.console import Console
 from tiny_checkpoints import greedy_by_recompute
 from transformers import AutoModelForCausalLM
@@ -15,7 +18,8 @@ from vkv import LLM, SamplingParams, demo
 from vkv.bench import Workload, run_e2e, run_transformers, run_vkv
 from vkv.cli import main
 from vkv.demo import run_demo
-from vkv.engine.llm_engine import INCOMPLETE_CHARACTER, LLMEngine
+from vkv.engine.llm_engine import LLMEngine
+from vkv.engine.outputs import INCOMPLETE_CHARACTER
 from vkv.models.loader import DEFAULT_MODEL
 
 PROMPT = "def fibonacci(n):\n"
@@ -23,7 +27,9 @@ PROMPT = "def fibonacci(n):\n"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM()
+    """On the CPU everywhere: its tests check what seeded samples say, and a GPU's generator
+    draws other numbers from the same seeds."""
+    return LLM(device="cpu")
 
 
 def test_vkv_tiny_is_a_small_byte_level_checkpoint_with_its_training_report():
@@ -35,10 +41,10 @@ def test_vkv_tiny_is_a_small_byte_level_checkpoint_with_its_training_report():
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["vocab_size"] == 257
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_default_model_generates_what_transformers_generates(llm, backend):
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_default_model_generates_what_transformers_generates(backend, device):
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    engine = llm if backend == "torch" else LLM(backend=backend, kv_cache_bytes=4 << 20)
+    engine = LLM(backend=backend, device=device, dtype=EXACT_DTYPE, kv_cache_bytes=4 << 20)
     prompts = [PROMPT, "import os\n"]
     params = SamplingParams(temperature=0.0, max_tokens=24)
     for prompt, output in zip(prompts, engine.generate(prompts, params, False), strict=True):
@@ -125,7 +131,7 @@ def test_demo_and_generate_commands(llm, capsys):
     assert "at least one request" in capsys.readouterr().err, "errors go to stderr"
     assert main(["demo", "--max-tokens", "0"]) == 2
     assert "--max-tokens" in capsys.readouterr().err
-    assert main(["generate", PROMPT, "--max-tokens", "8"]) == 0
+    assert main(["generate", PROMPT, "--max-tokens", "8", "--device", "cpu"]) == 0
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=0)
     [expected] = llm.generate([PROMPT], params, False)
     assert PROMPT + expected["text"] in capsys.readouterr().out
@@ -145,8 +151,8 @@ def test_bench_e2e_compares_like_with_like():
     assert result.speedup_min <= result.speedup_median <= result.speedup_max
 
 
-def test_both_sides_of_the_benchmark_generate_past_eos():
-    engine = LLMEngine(max_num_seqs=4)
+def test_both_sides_of_the_benchmark_generate_past_eos(device):
+    engine = LLMEngine(max_num_seqs=4, device=device, dtype=EXACT_DTYPE)
     workload = Workload.mixed(lambda text: list(text.encode()), 4, (8, 24), (20, 30))
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = 32  # a space: it would end every row early

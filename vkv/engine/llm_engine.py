@@ -17,32 +17,32 @@ The engine runs on what a student has done (``vkv.assignment.progress``): it nee
 and an option that runs a part still stubbed (a quantized cache: Phase 3; prefix caching:
 Phase 4) is refused at construction with that part's one-line ``NotImplementedError``. Without
 Phase 5's logger the engine runs without metrics and says so once on stderr.
+
+This module is the loop; its pieces live beside it: ``intake.py`` (what a prompt must be),
+``outputs.py`` (what a request gains each step: incremental detokenization, stop strings),
+``parallel_sampling.py`` (``n > 1``), ``startup.py`` (device, pool size, metrics, the start-up
+line) and ``parallel.py`` (tensor parallelism).
 """
 
-import hashlib
 import os
 import sys
 import time
 import weakref
-from dataclasses import dataclass, replace
-from numbers import Integral
 from pathlib import Path
 
 import torch
 
-from vkv.assignment import progress
-from vkv.config import KV_CACHE_DTYPES, WATERMARK, Config
+from vkv.config import WATERMARK, Config
 from vkv.engine.block_manager import AllocStatus
 from vkv.engine.cache_engine import (
     CacheEngine,
     CacheShape,
-    PoolSize,
     blocks_ever_used,
-    free_device_bytes,
-    sixteen_bit_ratio,
     size_device_pool,
 )
+from vkv.engine.intake import check_prompt
 from vkv.engine.model_runner import ModelRunner, TokenLogprobs
+from vkv.engine.outputs import Detokenizer, OutputProcessor, RequestOutput
 from vkv.engine.parallel import (
     ShardSpec,
     TensorParallel,
@@ -50,40 +50,27 @@ from vkv.engine.parallel import (
     check_tensor_parallel,
     shard_model,
 )
+from vkv.engine.parallel_sampling import forks_due
 from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence, SequenceStatus
+from vkv.engine.startup import (
+    default_device,
+    engine_metrics,
+    kv_budget,
+    metrics_logger,
+    model_label,
+    needs_done_parts,
+    pool_note,
+    startup_line,
+)
 from vkv.kernels.backends import attention_kernels
-from vkv.metrics.registry import EngineMetrics
-from vkv.metrics.stats import StatLogger
 from vkv.models.loader import load_checkpoint, model_dtype, weights_note
 from vkv.recording import Recorder, RecordTo, sinks_for
-from vkv.sampling_params import MAX_SEED, SamplingParams
+from vkv.sampling_params import SamplingParams
 from vkv.threads import usable_cpus
 
-CPU_KV_BYTES = 256 << 20
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FAILED_TOKEN = -1  # what a failed sequence "sampled": never appended
-INCOMPLETE_CHARACTER = "\ufffd"  # what a decoder makes of a UTF-8 character cut short
-FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_IGNORED: "ignored",
-}
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: int
-    index: int  # which of the request's n samples (0 for n = 1)
-    new_text: str
-    new_token_ids: list[int]
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    error: str | None = None  # why a request with finish_reason "error" failed
-    text: str = ""  # all the text returned so far: the new_text of every output, joined
-    logprobs: list[TokenLogprobs] | None = None  # new_token_ids' (params.logprobs set)
 
 
 class LLMEngine:
@@ -172,15 +159,11 @@ class LLMEngine:
         residual_slots = 2 * max_num_seqs  # keys per channel: see key_residual.py
         pool = None
         if num_gpu_blocks is None:
-            if kv_cache_bytes is None:
-                on_cuda = self.device.type == "cuda"
-                kv_cache_bytes = (
-                    free_device_bytes(self.device, gpu_memory_fraction) if on_cuda else CPU_KV_BYTES
-                )
+            budget = kv_budget(self.device, kv_cache_bytes, gpu_memory_fraction)
             bound = blocks_ever_used(
                 max_num_seqs, max_model_len, block_size, WATERMARK, enable_prefix_caching
             )
-            pool = size_device_pool(shape, kv_cache_bytes, residual_slots, bound)
+            pool = size_device_pool(shape, budget, residual_slots, bound)
             num_gpu_blocks = pool.blocks
         self.config = Config(
             block_size=block_size,
@@ -208,36 +191,17 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.cache_engine, self.scheduler.block_manager, kernels
         )
-        per_rank = " per rank" if tensor_parallel_size > 1 else ""
-        print(
-            f"vkv: KV cache of {self.config.num_gpu_blocks} blocks x {block_size} tokens "
-            f"({self.config.num_gpu_blocks * shape.block_bytes / 2**20:.1f} MiB{per_rank}"
-            f"{_capacity_note(shape)}) on {self.device}, {attention}"
-            f"{_bound_note(pool, max_num_seqs, max_model_len)}{weights_note(model, load_format)}",
-            file=sys.stderr,
-        )
+        notes = pool_note(pool, self.config) + weights_note(model, load_format)
+        print(startup_line(self.config, shape, self.device, attention, notes), file=sys.stderr)
         self._requests: dict[int, Sequence] = {}  # sequence id -> sequence, samples included
         self._samples: dict[int, list[Sequence]] = {}  # request id -> its samples, by index
-        self._sample_of: dict[int, tuple[int, int]] = {}  # sequence id -> (request id, index)
-        self._streamed: dict[int, Detokenized] = {}  # what each sequence has returned
-        self._errors: dict[int, str] = {}  # sequence id -> why it failed
+        self.outputs = OutputProcessor(Detokenizer(self.tokenizer))
         self._more_tokens: dict[int, list[int]] = {}  # this step's other samples' first tokens
         self._step_logprobs: dict[int, TokenLogprobs] = {}  # this step's tokens' logprobs
         self._more_logprobs: dict[int, list[TokenLogprobs]] = {}  # and its other samples'
-        self._logprobs: dict[int, list[TokenLogprobs]] = {}  # seq id -> its tokens' logprobs
         self._next_id = 0
         self.stats: dict[str, float] = {}
-        self.metrics = EngineMetrics(max_model_len, model_name=model_label(model))
-        self.metrics.kv_cache_bytes_per_token.labels(model_name=self.metrics.model_name).set(
-            shape.block_bytes / block_size
-        )
-        self.metrics.cache_config_info.labels(
-            model_name=self.metrics.model_name,
-            kv_cache_dtype=kv_cache_dtype,
-            key_granularity=key_granularity,
-            kv_quant_group=kv_quant_group,
-            block_size=str(block_size),
-        ).set(1)
+        self.metrics = engine_metrics(model_label(model), self.config, shape)
         self.stat_logger = metrics_logger(self.metrics)
         self.recorder = Recorder(self, *sinks_for(record)) if record else None
         if tensor_parallel_size > 1:  # last: nothing after it can fail and leave workers behind
@@ -265,26 +229,10 @@ class LLMEngine:
     def _track(self, seq: Sequence, request_id: int) -> None:
         """Record a new sequence as the next sample of its request."""
         samples = self._samples.setdefault(request_id, [])
-        self._sample_of[seq.seq_id] = (request_id, len(samples))
+        self.outputs.track(seq.seq_id, request_id, len(samples))
         samples.append(seq)
         self._requests[seq.seq_id] = seq
-        self._streamed[seq.seq_id] = Detokenized()
         self._next_id = max(self._next_id, seq.seq_id + 1)
-
-    def _forks_due(self, scheduled: list[ScheduledSequence]) -> dict[int, list[SamplingParams]]:
-        """For each request of ``n > 1`` samples whose prompt this step completes, the params of
-        its other ``n - 1`` samples: their first tokens are drawn from the same logits."""
-        due = {}
-        for item in scheduled:
-            seq = item.seq
-            params = seq.sampling_params
-            unforked = params.n > len(self._samples.get(seq.seq_id, ())) == 1
-            if unforked and seq.num_computed_tokens + item.num_tokens == seq.num_tokens:
-                due[seq.seq_id] = [
-                    replace(params, n=1, seed=sample_seed(params.seed, index))
-                    for index in range(1, params.n)
-                ]
-        return due
 
     def _fork_samples(self, parent: Sequence, params: list[SamplingParams], firsts: list[int]):
         """The other samples of a request whose prompt was computed: each starts with its own
@@ -302,7 +250,7 @@ class LLMEngine:
                 parent.arrival_time,
             )
             child.append_token(first)
-            self._logprobs[child.seq_id] = logprobs[i : i + 1]
+            self.outputs.logprobs[child.seq_id] = logprobs[i : i + 1]
             child.group_id = parent.group_id
             self._track(child, parent.seq_id)
             status = self.scheduler._stop_status(child, first)
@@ -327,36 +275,11 @@ class LLMEngine:
         Queues nothing: ``LLM.generate`` checks a whole batch before adding any of it. Other
         threads run while the text is tokenized (a server tokenizes off the engine's thread).
         """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {params!r}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer.json: pass token ids")
-            check_text(prompt)
-            # encode_batch lets go of the GIL while it runs (encode holds it: 1.5 s for a 1 MB
-            # prompt, and the engine's thread would stop stepping all that time)
-            prompt = self.tokenizer.encode_batch([prompt])[0].ids
-        if not isinstance(prompt, list | tuple) or not all(map(_is_token_id, prompt)):
-            raise ValueError(f"a prompt is text or a list of integer token ids, got {prompt!r}")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"n ({params.n}) is more than max_num_seqs ({self.config.max_num_seqs}): the "
-                "samples of a request run together"
-            )
-        if len(prompt) == 0:
-            raise ValueError("the prompt is empty")
-        if len(prompt) > self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens, more than max_model_len "
-                f"{self.config.max_model_len}"
-            )
-        vocab_size = self.model.config.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise ValueError(f"token ids must be in [0, {vocab_size})")
-        if any(token >= vocab_size for token, _ in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
-        return [int(t) for t in prompt], params
+        c = self.config
+        return check_prompt(
+            prompt, params, self.tokenizer, self.model.config.vocab_size, c.max_model_len,
+            c.max_num_seqs,
+        )  # fmt: skip
 
     def never_fits(self, num_prompt_tokens: int) -> str | None:
         """Why a prompt of this many tokens could never be admitted (``BlockManager``'s NEVER:
@@ -402,14 +325,8 @@ class LLMEngine:
             raise ValueError(f"forget: request {request_id} has unfinished samples; abort it first")
         del self._samples[request_id]
         for seq in samples:
-            for records in (
-                self._requests,
-                self._sample_of,
-                self._streamed,
-                self._errors,
-                self._logprobs,
-            ):
-                records.pop(seq.seq_id, None)
+            del self._requests[seq.seq_id]
+            self.outputs.forget(seq.seq_id)
 
     @property
     def num_held_requests(self) -> int:
@@ -484,7 +401,7 @@ class LLMEngine:
         started = time.perf_counter()
         out = self.scheduler.schedule()
         self.runner.apply_block_maps(out, self.scheduler.running, self.scheduler.swapped)
-        forks, self._more_tokens = self._forks_due(out.scheduled), {}
+        forks, self._more_tokens = forks_due(out.scheduled, self._samples), {}
         self._step_logprobs, self._more_logprobs = {}, {}
         self.scheduler.postprocess(out.scheduled, self._execute(out.scheduled, forks))
         self._keep_logprobs(out.scheduled)
@@ -553,59 +470,23 @@ class LLMEngine:
         """Keep the logprobs of each token the step appended (``params.logprobs`` set): one
         entry per completion token (a prefill chunk that stopped short appended none)."""
         for item in scheduled:
-            seq, entry = item.seq, self._step_logprobs.get(item.seq.seq_id)
-            if entry is None:
-                continue
-            kept = self._logprobs.setdefault(seq.seq_id, [])
-            if len(kept) < seq.num_completion_tokens:
-                kept.append(entry)
+            entry = self._step_logprobs.get(item.seq.seq_id)
+            if entry is not None:
+                self.outputs.keep_logprobs(item.seq, entry)
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
         """Finish a request the model could not run: its blocks freed, the error kept."""
         reason = " ".join(f"{type(error).__name__}: {error}".split())
-        self._errors[seq.seq_id] = reason
+        self.outputs.errors[seq.seq_id] = reason
         self.scheduler.abort(seq.seq_id)
         print(f"vkv: request {seq.seq_id} failed: {reason}", file=sys.stderr)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        """What the sequence gained since its last output. A stop string
-        (``SamplingParams.stop``) in its text finishes it here, as FINISHED_STOPPED, before
-        another step can run it: its text is cut before the string (the tokens stay, the one
-        that completed the string included). While it runs, the text's last ``len(longest stop
-        string) - 1`` characters are held back, as they may begin a stop string."""
-        completion = seq.completion_token_ids
-        state = self._streamed[seq.seq_id]
-        stop = seq.sampling_params.stop
-        hold = max(map(len, stop), default=1) - 1
-        searched = max(0, len(state.text) - hold)  # a stop string may begin in held-back text
-        state.text += self._new_text(state, completion, seq.is_finished)
-        cut = first_stop(state.text, stop, searched) if stop else None
-        if cut is not None:
-            state.text = state.text[:cut]
+        """What the sequence gained since its last output (``OutputProcessor``). A stop string
+        in its text finishes it here, as FINISHED_STOPPED, before another step can run it."""
+        if self.outputs.reaches_stop(seq):
             self._finish_stopped(seq)
-        finished = seq.is_finished
-        ready = len(state.text) if finished else max(state.returned, len(state.text) - hold)
-        new_text, state.returned = state.text[state.returned : ready], ready
-        sent, state.sent = state.sent, len(completion)
-        request_id, index = self._sample_of[seq.seq_id]
-        error, reason = self._errors.get(seq.seq_id), None
-        if finished:
-            reason = "error" if error else FINISH_REASONS[seq.status]
-        logprobs = None
-        if seq.sampling_params.logprobs is not None:
-            logprobs = self._logprobs.get(seq.seq_id, [])[sent:]
-        return RequestOutput(
-            request_id,
-            index,
-            new_text,
-            completion[sent:],
-            completion,
-            finished,
-            reason,
-            error,
-            state.text[:ready],
-            logprobs,
-        )
+        return self.outputs.output(seq)
 
     def _finish_stopped(self, seq: Sequence) -> None:
         """Finish a sequence whose text reached a stop string as FINISHED_STOPPED (vLLM's
@@ -615,130 +496,5 @@ class LLMEngine:
             self.scheduler.abort(seq.seq_id)  # out of its queue, its blocks freed
         seq.status = SequenceStatus.FINISHED_STOPPED
 
-    def _new_text(self, state: "Detokenized", tokens: list[int], finished: bool) -> str:
-        """The text the tokens past ``state.read_offset`` add (vLLM's incremental detokenizer):
-        decode a window from ``prefix_offset`` (a few tokens of context, so that a tokenizer's
-        spacing comes out as in the whole) with and without them, and return the difference.
-        While the sequence runs, text that ends in U+FFFD waits: a character's last bytes are
-        still to come. Costs O(new tokens) a step, not O(all tokens)."""
-        before = self.decode(tokens[state.prefix_offset : state.read_offset])
-        after = self.decode(tokens[state.prefix_offset :])
-        if len(after) <= len(before) or (after.endswith(INCOMPLETE_CHARACTER) and not finished):
-            return ""
-        state.prefix_offset, state.read_offset = state.read_offset, len(tokens)
-        return after[len(before) :]
-
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
-
-
-@dataclass(slots=True)
-class Detokenized:
-    """What a sequence has returned: tokens (``sent``), the text decoded from its tokens
-    (through ``read_offset``; ``text``, cut before a stop string) and how much of it went out
-    (``returned`` characters)."""
-
-    sent: int = 0
-    prefix_offset: int = 0
-    read_offset: int = 0
-    text: str = ""
-    returned: int = 0
-
-
-def first_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int | None:
-    """Where the earliest stop string begins in ``text`` at or after ``start``, or None."""
-    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
-    return min(found) if found else None
-
-
-def model_label(model: str | Path | None) -> str:
-    """The ``model_name`` label of the metrics: the checkpoint folder's name, or vkv-tiny."""
-    return "vkv-tiny" if model is None else Path(model).name
-
-
-def sample_seed(seed: int | None, index: int) -> int | None:
-    """The seed of a request's sample ``index`` (> 0): its own draws, reproducible."""
-    if seed is None:
-        return None
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % MAX_SEED
-
-
-METRICS_FILE = "vkv/metrics/stats.py"  # StatLogger, Phase 5's parts that the engine calls
-
-
-# Phase 3's files that a quantized cache runs on the torch backend; the Triton backend also
-# runs part 3.8's dequantizing load (vkv/kernels/triton_quantized.py).
-QUANTIZED_TORCH_FILES = {
-    "vkv/engine/quantizer.py",
-    "vkv/kernels/quantized.py",
-    "vkv/engine/key_residual.py",
-}
-
-
-def needs_done_parts(kv_cache_dtype: str, enable_prefix_caching: bool, backend: str) -> None:
-    """Refuse, naming the part, an engine whose options run a part not done yet."""
-    progress.needed("the engine (its Sequence, BlockManager and Scheduler)", {1, 2})
-    if KV_CACHE_DTYPES.get(kv_cache_dtype, 16) < 16:
-        progress.needed(
-            f"a quantized KV cache (--kv-cache-dtype {kv_cache_dtype}) on the {backend} backend",
-            {3},
-            None if backend == "triton" else QUANTIZED_TORCH_FILES,
-        )
-    if enable_prefix_caching:
-        progress.needed("prefix caching (--enable-prefix-caching)", {4})
-
-
-def metrics_logger(metrics: EngineMetrics) -> StatLogger | None:
-    """The engine's StatLogger; None, said once on stderr, while Phase 5's logger is a stub."""
-    unfinished = progress.first_unfinished({5}, {METRICS_FILE})
-    if unfinished is None:
-        return StatLogger(metrics)
-    part, qualname = unfinished
-    print(f"vkv: metrics off until part {part} ({qualname}) is done", file=sys.stderr)
-    return None
-
-
-def default_device() -> torch.device:
-    """``$VKV_DEVICE`` when set (``cpu`` on a machine with a GPU; under torchrun, the same on
-    every rank), else CUDA where there is one, else the CPU."""
-    chosen = os.environ.get("VKV_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(chosen)
-
-
-def _capacity_note(shape: CacheShape) -> str:
-    """For a quantized cache: its format, and how many more blocks a byte holds than 16-bit."""
-    if not shape.quantized:
-        return ""
-    keys = ", keys per channel" if shape.per_channel_keys else ""
-    keys += ", one scale per token" if shape.quant_group == "token" else ""
-    ratio = sixteen_bit_ratio(shape)
-    return f", {shape.kv_cache_dtype}{keys}: {ratio:.2f}x the blocks of a 16-bit cache"
-
-
-def _bound_note(pool: PoolSize | None, max_num_seqs: int, max_model_len: int) -> str:
-    """When the engine's bound, not the memory budget, set the pool's size: what it was."""
-    if pool is None or not pool.bounded:
-        return ""
-    return (
-        f"; sized for {max_num_seqs} sequences of {max_model_len} tokens, all this engine can "
-        f"use (the memory budget holds {pool.memory_blocks:,} blocks)"
-    )
-
-
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def check_text(prompt: str) -> None:
-    """Raise ``ValueError`` for a text prompt that is empty or not valid UTF-8 (a shell passes
-    undecodable bytes as lone surrogates); the CLI checks its arguments before loading a model.
-    """
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    if prompt.isascii():
-        return
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"the prompt is not valid UTF-8 text: {prompt!r}") from None
+        return self.outputs.detokenizer.decode(token_ids)

@@ -24,6 +24,10 @@ and a partial block's keys from the residual.
 On a CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, fp32 and fp16;
 bf16 is broken there). Tile sizes respect the GPU's minimum ``tl.dot`` shapes (16), so what
 passes on the CPU also compiles for an H200; fp32 dots use IEEE precision, not TF32.
+
+The kernels read every tensor through a raw pointer, so the wrappers first check that all of
+them are on one device (``_check_devices``): a tensor elsewhere is a ``ValueError`` naming it,
+not a crash or garbage.
 """
 
 import torch
@@ -37,6 +41,7 @@ from vkv.kernels.triton_quantized import load_dequantized
 
 MIN_DOT = 16
 UNQUANTIZED = 16  # the kernels' BITS for a cache of values
+PLANES = ("codes", "scale", "zero", "residual", "residual_slot")  # a QuantizedCache's tensors
 
 
 @triton.jit
@@ -70,7 +75,12 @@ def store_kvcache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write ``key``/``value`` ``[tokens, kv_heads, head_dim]`` into their slots (-1: skip);
-    a ``QuantizedCache`` gets each (token, head) row quantized on the fly."""
+    a ``QuantizedCache`` gets each (token, head) row quantized on the fly. ``ValueError`` for an
+    argument on another device than ``key`` (``_check_devices``: "value is on cpu, the key on
+    cuda:0")."""
+    _check_devices(
+        "key", key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
+    )
     num_tokens, num_kv_heads, head_dim = key.shape
     row = num_kv_heads * head_dim
     if key.stride(-1) != 1 or key.stride(1) != head_dim or value.stride(1) != head_dim:
@@ -484,6 +494,20 @@ def _scale_strides(cache: QuantizedCache) -> list[int]:
     ]
 
 
+def _check_devices(anchor: str, tensor: torch.Tensor, **arguments: object) -> None:
+    """``ValueError`` naming the first of ``arguments`` (tensors, or ``QuantizedCache``s, whose
+    ``PLANES`` count one by one) that is not on ``tensor``'s device, e.g. "block_tables is on
+    cpu, the query on cuda:0" or "k_cache.scale is on cpu, the query on cuda:0". A device
+    comparison per tensor: it runs on every call."""
+    device = tensor.device
+    for name, value in arguments.items():
+        for plane in PLANES if isinstance(value, QuantizedCache) else (None,):
+            part = value if plane is None else getattr(value, plane)
+            if part is not None and part.device != device:
+                label = name if plane is None else f"{name}.{plane}"
+                raise ValueError(f"{label} is on {part.device}, the {anchor} on {device}")
+
+
 def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """The GQA group size; ``ValueError`` unless heads group and layouts suit the kernels."""
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -504,7 +528,16 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K)."""
+    """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K).
+    ``ValueError`` for a tensor on another device than the query (``_check_devices``)."""
+    _check_devices(
+        "query",
+        query,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        context_lens=context_lens,
+    )
     batch, num_heads, head_dim = query.shape
     caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
     _, block_size, num_kv_heads, _ = caches[0].shape
@@ -693,7 +726,17 @@ def paged_prefill_attention(
     block_m: int = 16,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """See ``reference.paged_prefill_attention``."""
+    """See ``reference.paged_prefill_attention``. ``ValueError`` for a tensor on another device
+    than the query (``_check_devices``)."""
+    _check_devices(
+        "query",
+        query,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cu_seqlens_q=cu_seqlens_q,
+        block_tables=block_tables,
+        context_lens=context_lens,
+    )
     _, num_heads, head_dim = query.shape
     caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
     block_size = caches[0].shape[1]
