@@ -371,12 +371,18 @@ def _pairs(blocks_to_copy: dict[int, list[int]]) -> list[tuple[int, int]]:
 
 
 def _copy_blocks(source: torch.Tensor, target: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-    """Copy block ``src`` of ``source`` to block ``dst`` of ``target``, in every layer, K and V."""
+    """Copy block ``src`` of ``source`` to block ``dst`` of ``target``, in every layer, K and V.
+
+    A copy to the GPU may be asynchronous: the GPU's stream runs it before any later kernel that
+    reads it. A copy to the CPU may not: the CPU writes its result into ``target`` at once, and
+    an asynchronous device-to-host copy could still be in flight then (a swap-out would store a
+    block half copied)."""
     if not pairs:
         return
     src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=source.device)
     dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=target.device)
-    target[:, :, dst] = source[:, :, src].to(target.device, non_blocking=True)
+    to_gpu = target.device.type == "cuda"
+    target[:, :, dst] = source[:, :, src].to(target.device, non_blocking=to_gpu)
 
 
 def sixteen_bit_ratio(shape: CacheShape) -> float:
