@@ -64,3 +64,56 @@ def test_a_cgroup_cpu_quota_caps_the_cpus(tmp_path, monkeypatch, cpu_max, quota)
     assert threads._quota_cpus() == quota
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert threads.usable_cpus() == min(affinity, quota)
+
+
+@pytest.mark.parametrize(
+    ("runnable", "cpus", "free"),
+    [(1, 2, 2), (2, 2, 1), (5, 2, 1), (3, 8, 4), (40, 64, 4), (None, 2, 4)],
+    ids=["idle", "one neighbour", "four neighbours", "big machine", "busy big machine", "unknown"],
+)
+def test_free_cpus_leaves_the_cpus_other_tasks_run_on(monkeypatch, runnable, cpus, free):
+    monkeypatch.setattr(threads, "runnable_tasks", lambda: runnable)
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    assert threads.free_cpus(4) == free
+
+
+@pytest.mark.parametrize(
+    ("text", "runnable"),
+    [("0.52 0.61 0.70 3/412 9981\n", 3), ("garbage\n", None), (None, None)],
+    ids=["linux", "unreadable", "no file"],
+)
+def test_runnable_tasks_reads_the_kernels_instant_count(tmp_path, monkeypatch, text, runnable):
+    path = tmp_path / "loadavg"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setattr(threads, "LOADAVG", path)
+    assert threads.runnable_tasks() == runnable
+
+
+def test_each_cpu_step_runs_the_threads_that_have_a_cpu_now(monkeypatch):
+    """Busy neighbours: one thread; idle again: back to the engine's limit."""
+    import torch
+
+    from vkv.engine.llm_engine import LLMEngine
+    from vkv.sampling_params import SamplingParams
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = LLMEngine(num_gpu_blocks=8, max_model_len=64, device="cpu")
+        seen = []
+        forward = type(engine.runner.model).forward
+
+        def counting(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(type(engine.runner.model), "forward", counting)
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        for runnable in (5, 1):
+            monkeypatch.setattr(threads, "runnable_tasks", lambda runnable=runnable: runnable)
+            engine.add_request("ab", SamplingParams(max_tokens=1))
+            engine.step()
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)

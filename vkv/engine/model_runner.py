@@ -34,6 +34,7 @@ from vkv.engine.scheduler import ScheduledSequence, SchedulerOutput
 from vkv.engine.sequence import Sequence
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 from vkv.sampling_params import MAX_SEED, SamplingParams
+from vkv.threads import free_cpus
 
 LOGPROB_FLOOR = -9999.0  # a log-probability that underflows to -inf is reported as this (vLLM)
 
@@ -93,6 +94,7 @@ class ModelRunner:
         self.logprobs: dict[int, TokenLogprobs] = {}  # execute's tokens' logprobs, if asked
         self.more_logprobs: dict[int, list[TokenLogprobs]] = {}  # the other samples' ones
         self.model_seconds = 0.0
+        self.thread_limit = torch.get_num_threads()  # the engine's (see vkv.threads)
 
     def batch_of(self, scheduled: list[ScheduledSequence]) -> StepBatch:
         """The scheduled tokens as one flat batch of plain lists (what a tensor-parallel rank 0
@@ -147,6 +149,8 @@ class ModelRunner:
         get None). ``model_seconds`` adds the model's part (the inputs made, to the logits)."""
         input_ids, positions, meta = self.tensors(batch)
         caches = self.cache_engine.layers()
+        if self.device.type == "cpu" and self.parallel is None:
+            self._fit_threads()
         started = time.perf_counter()
         logits = self.model(input_ids, positions, caches, meta, self.backend)
         if len(logits) > len(batch.context_lens):  # a row per token: keep each sequence's last
@@ -157,6 +161,13 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - started
         return logits
+
+    def _fit_threads(self) -> None:
+        """As many torch threads as have a CPU to themselves now, up to the engine's limit
+        (``vkv.threads.free_cpus``; a single process: tensor-parallel ranks keep their share)."""
+        wanted = free_cpus(self.thread_limit)
+        if wanted != torch.get_num_threads():
+            torch.set_num_threads(wanted)
 
     def apply_block_maps(
         self, out: SchedulerOutput, running: list[Sequence], swapped: Iterable[Sequence]
