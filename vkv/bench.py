@@ -202,7 +202,7 @@ def transformers_model(engine: LLMEngine, path: Path, load_format: str):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
-        missing, _ = hf.load_state_dict(engine.model.state_dict(), strict=False)
+        missing, _ = hf.load_state_dict(engine.model.hf_state_dict(), strict=False)
         if missing and missing != ["lm_head.weight"]:  # a tied lm_head is the embedding
             raise ValueError(f"{path}: transformers' model needs weights vkv lacks: {missing[:3]}")
         hf.tie_weights()

@@ -46,7 +46,7 @@ def test_dummy_weights_are_random_of_the_shape_and_the_same_on_every_load(tmp_pa
     weights = first.state_dict()
     assert weights.keys() == again.state_dict().keys()
     assert all(torch.equal(weights[key], again.state_dict()[key]) for key in weights)
-    projection = weights["model.layers.0.self_attn.q_proj.weight"]
+    projection = first.hf_state_dict()["model.layers.0.self_attn.q_proj.weight"]
     assert projection.std() > 0 and torch.isfinite(projection).all()
     assert tokenizer is None, "a vocabulary of 96 cannot hold the byte tokenizer's 257 ids"
 
@@ -112,7 +112,7 @@ def test_llama3_rotary_scaling_matches_transformers():
     config = ModelConfig.from_hf(hf.config.to_dict())
     assert config.rope_scaling is not None
     ours = CausalLM(config).eval()
-    ours.load_state_dict(hf.state_dict(), strict=False)
+    ours.load_hf_state_dict(hf.state_dict())
     tokens = torch.tensor([(5 * i + 3) % 96 for i in range(40)])
     block_size = 8
     caches = [(torch.zeros(5, block_size, 2, 16), torch.zeros(5, block_size, 2, 16)) for _ in "kv"]

@@ -35,7 +35,7 @@ def paired(architecture: str = "qwen3"):
     """The transformers model and ours holding the same weights."""
     hf = tiny_hf_model(architecture)
     ours = CausalLM(ModelConfig.from_hf(hf.config.to_dict())).eval()
-    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    missing, unexpected = ours.load_hf_state_dict(hf.state_dict())
     assert not missing and all("rotary" in key for key in unexpected), (missing, unexpected)
     return hf, ours
 

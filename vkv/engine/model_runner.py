@@ -140,6 +140,7 @@ class ModelRunner:
             block_tables=tensor(batch.block_tables).view(num_seqs, -1),
             context_lens=tensor(batch.context_lens),
             cu_seqlens_q=tensor(batch.cu_seqlens),
+            max_context_len=max(batch.context_lens),
         )
         return tensor(batch.tokens, np.int64), tensor(batch.positions, np.int64), meta
 

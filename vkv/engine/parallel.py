@@ -61,7 +61,7 @@ import torch.distributed as dist
 from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.kernels.backends import attention_kernels
 from vkv.models.loader import load_checkpoint
-from vkv.models.qwen3 import AllReduce, CausalLM, ModelConfig
+from vkv.models.qwen3 import AllReduce, CausalLM, MergedLinear, ModelConfig
 from vkv.net import free_port
 from vkv.threads import usable_cpus
 
@@ -115,13 +115,11 @@ def shard_model(model: CausalLM, rank: int, size: int, all_reduce: AllReduce) ->
     c = model.config
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
-            _keep_rows(linear, rank, size)
+        _keep_rows(attention.qkv_proj, rank, size)
         _keep_columns(attention.o_proj, rank, size)
         attention.num_heads, attention.num_kv_heads = c.num_heads // size, c.num_kv_heads // size
         attention.all_reduce = all_reduce
-        _keep_rows(mlp.gate_proj, rank, size)
-        _keep_rows(mlp.up_proj, rank, size)
+        _keep_rows(mlp.gate_up_proj, rank, size)
         _keep_columns(mlp.down_proj, rank, size)
         mlp.all_reduce = all_reduce
     per_rank = math.ceil(c.vocab_size / size)
@@ -131,13 +129,20 @@ def shard_model(model: CausalLM, rank: int, size: int, all_reduce: AllReduce) ->
     model.lm_head.weight = torch.nn.Parameter(padded, requires_grad=False)  # untied: a slice
 
 
-def _keep_rows(linear: torch.nn.Linear, rank: int, size: int) -> None:
-    share = linear.out_features // size
-    kept = slice(rank * share, (rank + 1) * share)
-    linear.weight = torch.nn.Parameter(linear.weight.detach()[kept].clone(), requires_grad=False)
+def _keep_rows(linear: MergedLinear, rank: int, size: int) -> None:
+    """The rank's share of the rows of each linear that ``linear`` merges (its q heads, its
+    k heads, its v heads; its gate channels, its up channels), merged again."""
+
+    def kept(tensor: torch.Tensor) -> torch.nn.Parameter:
+        parts = tensor.detach().split(linear.parts)
+        shares = [part[rank * len(part) // size : (rank + 1) * len(part) // size] for part in parts]
+        return torch.nn.Parameter(torch.cat(shares), requires_grad=False)
+
+    linear.weight = kept(linear.weight)
     if linear.bias is not None:
-        linear.bias = torch.nn.Parameter(linear.bias.detach()[kept].clone(), requires_grad=False)
-    linear.out_features = share
+        linear.bias = kept(linear.bias)
+    linear.parts = tuple(part // size for part in linear.parts)
+    linear.out_features = sum(linear.parts)
 
 
 def _keep_columns(linear: torch.nn.Linear, rank: int, size: int) -> None:

@@ -38,8 +38,8 @@ def store_kvcache(
     if len(slot_mapping) and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    _slots(k_cache)[slots] = key[keep].to(k_cache.dtype)
-    _slots(v_cache)[slots] = value[keep].to(v_cache.dtype)
+    _slots(k_cache)[slots] = key[keep]  # in the cache's dtype: assigning casts
+    _slots(v_cache)[slots] = value[keep]
 
 
 def refuse_non_finite(key: torch.Tensor, value: torch.Tensor) -> None:

@@ -96,20 +96,20 @@ def _load_weights(folder: Path, config: ModelConfig) -> CausalLM:
         state.update(weights)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-    expected = model.state_dict()
-    missing = [key for key in expected if key not in state]
-    unexpected = [key for key in state if key not in expected and "rotary" not in key]
+    state = {key: value for key, value in state.items() if "rotary" not in key}  # HF's buffers
+    expected = model.hf_state_dict()
     misshapen = [
         f"{key} {tuple(state[key].shape)} (expected {tuple(expected[key].shape)})"
         for key in expected
         if key in state and state[key].shape != expected[key].shape
     ]
+    missing, unexpected = model.hf_mismatch(state)
     if missing or unexpected or misshapen:
         raise ValueError(
             f"{folder}: the weights do not match config.json (missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}, wrong shape {misshapen[:3]})"
         )
-    model.load_state_dict(state, strict=False)
+    model.load_hf_state_dict(state)
     return model
 
 

@@ -9,10 +9,18 @@ where its K/V go (``slot_mapping``) and which cached blocks each sequence reads.
 ``paged_decode_attention``: ``vkv.kernels.reference`` (PyTorch) or
 ``vkv.kernels.triton_attention``.
 
+Fewer, larger operations per layer (what a decode step's time is made of once the batch is
+small: one launch or one call per op): q, k and v are one projection (``qkv_proj``), gate and
+up another (``gate_up_proj``), as in vLLM and nano-vLLM; ``MergedLinear`` says which rows
+belong to which, so that a checkpoint's separate tensors load into it
+(``CausalLM.load_hf_state_dict``) and come back out under their own names
+(``hf_state_dict``). RMSNorm is one ``rms_norm`` call (fp32 inside, as Hugging Face computes
+it); the rotary cosines and sines are a table by position, built once in the model's dtype.
+
 Tensor parallelism (``vkv.engine.parallel``) splits the attention heads and the MLP's
-intermediate channels over ranks: each rank keeps its rows of q/k/v and gate/up, its columns
-of o/down, and an ``all_reduce`` that sums the partial outputs of o/down; ``lm_head`` keeps the
-rank's slice of the vocabulary.
+intermediate channels over ranks: each rank keeps its rows of each part of qkv and gate/up,
+its columns of o/down, and an ``all_reduce`` that sums the partial outputs of o/down;
+``lm_head`` keeps the rank's slice of the vocabulary.
 """
 
 import functools
@@ -121,6 +129,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks], -1 padded
     context_lens: torch.Tensor  # [num_seqs], cached tokens after this step's writes
     cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1], prefill only
+    max_context_len: int | None = None  # max(context_lens), known on the host (None: read it)
 
 
 class RMSNorm(nn.Module):
@@ -130,9 +139,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x / sqrt(mean(x^2) + eps)`` in fp32, back to ``x``'s dtype, times the weight."""
-        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        """``x / sqrt(mean(x^2) + eps)`` in fp32, back to ``x``'s dtype, times the weight: one
+        op (``rms_norm`` computes a half-precision input in fp32 itself)."""
+        return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class MergedLinear(nn.Linear):
+    """Several linears of one input stacked into one (vLLM's ``QKVParallelLinear`` and
+    ``MergedColumnParallelLinear``): one matrix multiply instead of ``len(parts)``. ``parts``
+    are the output rows of each, in order, as ``split`` takes them; ``names`` the checkpoint's
+    names for them."""
+
+    def __init__(self, in_features: int, parts: Sequence[int], names: Sequence[str], bias: bool):
+        super().__init__(in_features, sum(parts), bias=bias)
+        self.parts, self.names = tuple(parts), tuple(names)
 
 
 @functools.cache
@@ -146,23 +166,57 @@ def inverse_frequencies(
     return frequencies if scaling is None else scaling.apply(frequencies)
 
 
-def rotary_angles(
-    positions: torch.Tensor, head_dim: int, theta: float, scaling: Llama3Scaling | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine of each position's rotary angles, ``[tokens, 1, head_dim]`` each (the
-    half-split convention: dimension ``i`` and ``i + head_dim / 2`` rotate together)."""
-    frequencies = inverse_frequencies(head_dim, theta, positions.device, scaling)
-    angles = positions.float()[:, None] * frequencies[None, :]
-    angles = torch.cat([angles, angles], -1)[:, None, :]
-    return angles.cos(), angles.sin()
+class RotaryTable:
+    """The rotary cosines and sines of positions ``0 .. len - 1``, computed in fp32 and kept in
+    the model's dtype (what Hugging Face's rotary embedding hands its layers), grown by doubling
+    when a step reaches past them.
+
+    The half-split convention: dimension ``i`` and ``i + head_dim / 2`` rotate together, so
+    ``rotate_half(x) = cat(-x[half:], x[:half])``; the table keeps the sine with the first
+    half negated, so that a layer turns ``x`` with ``x.roll(half)`` and no negation.
+
+    The table grows to the step's longest context, a number the model runner knows on the host
+    (``AttentionMetadata.max_context_len``): reading the largest position from a GPU tensor
+    would stall the step until the GPU caught up."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: Llama3Scaling | None) -> None:
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.cos = self.signed_sin = torch.empty(0, head_dim)
+
+    def reserve(self, length: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Rows for positions ``0 .. length - 1`` on ``device`` in ``dtype``."""
+        if self.cos.device != device or self.cos.dtype != dtype:
+            self.cos = self.signed_sin = torch.empty(0, self.head_dim, device=device, dtype=dtype)
+        if length > len(self.cos):
+            self._build(max(length, 2 * len(self.cos), 256), device, dtype)
+
+    def lookup(self, positions: torch.Tensor, length: int | None, dtype: torch.dtype) -> "Rotary":
+        """The rows of ``positions``, ``[tokens, 1, head_dim]`` each; ``length`` bounds them
+        (None: read from ``positions``)."""
+        if length is None:
+            length = int(positions.max()) + 1 if len(positions) else 0
+        self.reserve(length, positions.device, dtype)
+        return Rotary(self.cos[positions][:, None], self.signed_sin[positions][:, None])
+
+    def _build(self, length: int, device: torch.device, dtype: torch.dtype) -> None:
+        frequencies = inverse_frequencies(self.head_dim, self.theta, device, self.scaling)
+        angles = torch.arange(length, device=device).float()[:, None] * frequencies[None, :]
+        sin = angles.sin()
+        self.cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+        self.signed_sin = torch.cat([-sin, sin], -1).to(dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of ``x`` ``[tokens, heads, head_dim]``."""
-    half = x.shape[-1] // 2
-    x32 = x.float()
-    turned = torch.cat([-x32[..., half:], x32[..., :half]], -1)
-    return (x32 * cos + turned * sin).to(x.dtype)
+@dataclass(slots=True, frozen=True)
+class Rotary:
+    """One step's rotary rows (``RotaryTable.lookup``)."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotary position embedding of ``x`` ``[tokens, heads, head_dim]``, in its dtype:
+        ``x * cos + rotate_half(x) * sin``."""
+        return x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.signed_sin
 
 
 class Attention(nn.Module):
@@ -170,9 +224,11 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        names = ("q_proj", "k_proj", "v_proj")
+        self.qkv_proj = MergedLinear(
+            c.hidden_size, (q_rows, kv_rows, kv_rows), names, bias=c.attention_bias
+        )
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.num_heads, self.num_kv_heads = c.num_heads, c.num_kv_heads  # this rank's (see TP)
         self.all_reduce: AllReduce | None = None  # sums o_proj over ranks
@@ -182,7 +238,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        rotary: tuple[torch.Tensor, torch.Tensor],
+        rotary: "Rotary",
         hidden: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
@@ -190,14 +246,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(tokens, self.num_heads, c.head_dim)
-        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, c.head_dim)
-        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, c.head_dim)
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.parts, -1)  # views of one tensor
+        q = q.view(tokens, self.num_heads, c.head_dim)
+        k = k.view(tokens, self.num_kv_heads, c.head_dim)
+        v = v.view(tokens, self.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, *rotary), rotate(k, *rotary)
+        q, k = rotary.apply(q), rotary.apply(k)
         k_cache, v_cache = cache
-        backend.store_kvcache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        # contiguous: the stores (graded ones among them) may view a token's heads as one row
+        backend.store_kvcache(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
         scale = c.head_dim**-0.5
         if meta.is_prefill:
             out = backend.paged_prefill_attention(
@@ -222,17 +280,20 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        rows = config.intermediate_size
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, (rows, rows), ("gate_proj", "up_proj"), bias=False
+        )
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.all_reduce: AllReduce | None = None  # sums down_proj over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``down(silu(gate(x)) * up(x))``, the activation written over the gate's output (a
-        prefill's are megabytes: no new tensor to allocate and fill)."""
-        gate = self.gate_proj(x)
+        """``down(silu(gate(x)) * up(x))``, gate and up from one projection; the activation
+        is written over the gate's half, and the product over the gate (a prefill's are
+        megabytes: no new tensor to allocate and fill)."""
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.parts, -1)
         nn.functional.silu(gate, inplace=True)
-        out = self.down_proj(gate.mul_(self.up_proj(x)))
+        out = self.down_proj(gate.mul_(up))
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
@@ -269,6 +330,47 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def merged_linears(self) -> dict[str, MergedLinear]:
+        """Each ``MergedLinear`` by its name (``model.layers.0.mlp.gate_up_proj``)."""
+        return {n: m for n, m in self.named_modules() if isinstance(m, MergedLinear)}
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict under a Hugging Face checkpoint's names: each merged linear's rows
+        split back into the linears it stacks (views, no copy)."""
+        state = self.state_dict()
+        for name, linear in self.merged_linears().items():
+            prefix = name.rsplit(".", 1)[0]
+            for kind in ("weight", "bias"):
+                merged = state.pop(f"{name}.{kind}", None)
+                if merged is None:
+                    continue
+                for part, rows in zip(linear.names, merged.split(linear.parts), strict=True):
+                    state[f"{prefix}.{part}.{kind}"] = rows
+        return state
+
+    def hf_mismatch(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """The names of a checkpoint's tensors that ``state`` lacks, and those it has beyond
+        them (checkpoint naming)."""
+        expected = self.hf_state_dict().keys()
+        missing = [key for key in expected if key not in state]
+        return missing, [key for key in state if key not in expected]
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """Load a checkpoint's tensors, stacking the linears each ``MergedLinear`` merges (the
+        tensors of the right shapes: ``load_state_dict`` raises otherwise); ``hf_mismatch``'s
+        names."""
+        missing, unexpected = self.hf_mismatch(state)
+        merged = {key: value for key, value in state.items() if key not in unexpected}
+        for name, linear in self.merged_linears().items():
+            prefix = name.rsplit(".", 1)[0]
+            for kind in ("weight", "bias"):
+                keys = [f"{prefix}.{part}.{kind}" for part in linear.names]
+                if all(key in merged for key in keys):
+                    merged[f"{name}.{kind}"] = torch.cat([merged.pop(key) for key in keys])
+        self.load_state_dict(merged, strict=False)
+        return missing, unexpected
 
     def forward(
         self,
@@ -279,8 +381,7 @@ class CausalLM(nn.Module):
         backend: ModuleType,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        c = self.config
-        rotary = rotary_angles(positions, c.head_dim, c.rope_theta, c.rope_scaling)
+        rotary = self.rotary.lookup(positions, meta.max_context_len, hidden.dtype)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             hidden = layer(rotary, hidden, cache, meta, backend)
         return self.lm_head(self.model.norm(hidden))
