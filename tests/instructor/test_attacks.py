@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vkv.assignment.grade import copy_clean, grade
+from vkv.assignment.grade import grade
+from vkv.assignment.trees import copy_clean
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = {"1.1", "1.2"}

@@ -40,11 +40,12 @@ from pathlib import Path
 import pytest
 
 from vkv.assignment import report
-from vkv.assignment.grade import copy_clean, grade
+from vkv.assignment.grade import grade
 from vkv.assignment.parts import Assignment
 from vkv.assignment.policy import check_file
 from vkv.assignment.regions import rewrite_regions
 from vkv.assignment.release import solve
+from vkv.assignment.trees import copy_clean
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSIGNMENT = Assignment.load(ROOT)

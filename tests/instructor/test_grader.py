@@ -26,11 +26,14 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from vkv import cli
-from vkv.assignment import comment, report, sandbox
+from vkv.assignment import comment, report, results, sandbox
 from vkv.assignment import grade as grade_module
-from vkv.assignment.grade import copy_clean, grade
+from vkv.assignment.grade import grade
 from vkv.assignment.parts import Assignment
 from vkv.assignment.release import solve
+from vkv.assignment.results import GradeReport, PartResult
+from vkv.assignment.run_report import read_report
+from vkv.assignment.trees import copy_clean
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = {"1.1", "1.2"}
@@ -478,7 +481,7 @@ def test_a_malformed_record_fails_its_test_flagged(edition, tmp_path, honest_sco
     ],
 )
 def test_the_grader_flags_any_malformed_report_and_never_crashes(data):
-    outcomes, status, detail = grade_module._read_report(data, ["ID"], False, 10.0)
+    outcomes, status, detail = read_report(data, ["ID"], False, 10.0)
     assert status == "error" and "malformed report record" in detail, detail
     assert [o.outcome for o in outcomes] == ["failed"]
 
@@ -489,7 +492,7 @@ def test_the_grader_reads_any_bytes_as_a_report(data):
     passing = b'{"nodeid": "ID", "when": "call", "outcome": "passed", "message": "", '
     passing += b'"flagged": null}\n{"event": "finished", "tampered": null}\n'
     for whole in (data, passing + data, data + passing):
-        outcomes, status, _ = grade_module._read_report(whole, ["ID"], False, 10.0)
+        outcomes, status, _ = read_report(whole, ["ID"], False, 10.0)
         assert status in {"passed", "failed", "error"} and len(outcomes) == 1
         json.dumps([o.message for o in outcomes]).encode()  # printable
 
@@ -837,8 +840,8 @@ def test_hidden_tests_are_left_out_of_the_edition(edition):
 
 def test_a_piped_table_holds_every_title_whole():
     parts = Assignment.load(ROOT).parts
-    result = grade_module.GradeReport(
-        [grade_module.PartResult(part, (), "not started", "") for part in parts],
+    result = GradeReport(
+        [PartResult(part, (), "not started", "") for part in parts],
         progress_check=False,
     )
     out = io.StringIO()
@@ -858,7 +861,7 @@ def test_a_piped_table_holds_every_title_whole():
 def test_a_part_blocked_by_other_stubs_names_them_in_the_right_number(stubs, detail):
     part = Assignment.load(ROOT).part("1.4")
     tests = [
-        grade_module.TestOutcome(f"t{i}", "failed", f"NotImplementedError: part {stub}: x")
+        results.TestOutcome(f"t{i}", "failed", f"NotImplementedError: part {stub}: x")
         for i, stub in enumerate(stubs)
     ]
     result = grade_module._part_result(part, tests, "failed", "")

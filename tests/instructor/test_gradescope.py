@@ -33,9 +33,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from vkv.assignment.grade import copy_clean, grade
+from vkv.assignment.grade import grade
 from vkv.assignment.gradescope import package
 from vkv.assignment.release import solve
+from vkv.assignment.trees import copy_clean
 from vkv.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

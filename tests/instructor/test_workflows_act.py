@@ -32,8 +32,9 @@ import pytest
 from fake_github import BOT, FakeGitHub
 
 from vkv.assignment import comment, sandbox
-from vkv.assignment.grade import copy_clean, grade
+from vkv.assignment.grade import grade
 from vkv.assignment.release import release, solve
+from vkv.assignment.trees import copy_clean
 from vkv.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -52,11 +52,9 @@ are refused unless ``unsafe_no_sandbox`` is set.
 
 import contextlib
 import hashlib
-import json
 import os
 import re
 import secrets
-import select
 import shutil
 import signal
 import subprocess
@@ -64,12 +62,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from vkv.assignment import sandbox
-from vkv.assignment.parts import GRADED_TEST_FILE, Assignment, Part, part_of_test
+from vkv.assignment.parts import GRADED_TEST_FILE, Assignment, Part
 from vkv.assignment.policy import (
     POLICY_TEST_SUFFIX,
     Verdict,
@@ -78,116 +76,27 @@ from vkv.assignment.policy import (
     graded_text,
 )
 from vkv.assignment.regions import RegionError, find_regions, restore_regions, stub_regions
+from vkv.assignment.results import (
+    HIDDEN_DIR,
+    GradeReport,
+    PartResult,
+    RunResult,
+    TestOutcome,
+    is_hidden,
+    part_of_nodeid,
+)
+from vkv.assignment.run_report import read_pipe, read_report
+from vkv.assignment.trees import (
+    copy_clean,
+    first_change,
+    protected_changes,
+    submitted_file,
+    tree_state,
+)
 
-SKIPPED_NAMES = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
-HIDDEN_DIR = Path("tests") / "hidden"
 GRADER_INI = "[pytest]\naddopts =\npython_files = test_*.py\n"
 GRADER_INI_NAME = "vkv-grader.ini"
-MAX_REPORT_BYTES = 64 << 20
-MAX_MESSAGE = 4000
-PIPE_GRACE = 1.0  # seconds to drain the report after the test process exited
-PHASES = ("setup", "call", "teardown")
-OUTCOMES = ("passed", "failed", "skipped")
 STUB_ERROR = re.compile(r"NotImplementedError: part (\d+\.\d+):")
-
-
-@dataclass(slots=True, frozen=True)
-class TestOutcome:
-    """One test's result: ``passed``, ``failed``, ``timeout`` or ``missing`` (never reported)."""
-
-    nodeid: str
-    outcome: str
-    message: str = ""
-
-    @property
-    def part(self) -> str | None:
-        return _part_of(self.nodeid)
-
-    @property
-    def hidden(self) -> bool:
-        return self.nodeid.startswith(HIDDEN_DIR.as_posix() + "/")
-
-
-RunResult = tuple[list[TestOutcome], str, str]  # one test process: outcomes, status, detail
-
-
-def _part_of(nodeid: str) -> str | None:
-    file, _, name = nodeid.partition("::")
-    return part_of_test(Path(file).name, name)
-
-
-@dataclass(slots=True, frozen=True)
-class PartResult:
-    """A part's tests and score; ``status`` is passed, failed, not started, timeout or error."""
-
-    part: Part
-    tests: tuple[TestOutcome, ...]
-    status: str
-    detail: str = ""
-
-    @property
-    def passed(self) -> int:
-        return sum(test.outcome == "passed" for test in self.tests)
-
-    @property
-    def total(self) -> int:
-        return len(self.tests)
-
-    @property
-    def shares(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(passed, total) of the visible tests, and of the hidden ones."""
-        hidden = [test for test in self.tests if test.hidden]
-        passed_hidden = sum(test.outcome == "passed" for test in hidden)
-        visible = (self.passed - passed_hidden, self.total - len(hidden))
-        return visible, (passed_hidden, len(hidden))
-
-    @property
-    def score(self) -> float:
-        """Points times the share of tests passed; with hidden tests, the lower of the visible
-        and the hidden shares."""
-        shares = [passed / total for passed, total in self.shares if total]
-        return round(self.part.points * min(shares), 2) if shares else 0.0
-
-    @property
-    def hidden_rule(self) -> str:
-        """What the score rule did, when the hidden tests' share is the lower one; else ""."""
-        (passed, total), (hidden_passed, hidden_total) = self.shares
-        if not hidden_total or not total or hidden_passed * total >= passed * hidden_total:
-            return ""
-        return (
-            f"hidden tests {hidden_passed}/{hidden_total} passed, visible {passed}/{total}: the "
-            "score takes the lower share"
-        )
-
-    @property
-    def full_detail(self) -> str:
-        """``detail``, then ``hidden_rule``."""
-        return "; ".join(text for text in (self.detail, self.hidden_rule) if text)
-
-
-@dataclass(slots=True)
-class GradeReport:
-    """A grade. ``progress_check``: it is no grade (no sandbox, or a tree graded by its own
-    tests), with ``note`` saying why; ``seed``: the ``VKV_GRADE_SEED`` every test process got."""
-
-    parts: list[PartResult]
-    protected_modified: list[str] = field(default_factory=list)
-    files: dict[str, str] = field(default_factory=dict)  # graded file -> sha256
-    not_graded: dict[str, str] = field(default_factory=dict)  # file -> the policy's reasons
-    isolated: list[PartResult] | None = None
-    sandboxed: bool = False
-    progress_check: bool = True
-    note: str = ""
-    seed: int = 0
-    execution_time: float = 0.0
-
-    @property
-    def score(self) -> float:
-        return round(sum(p.score for p in self.parts), 2)
-
-    @property
-    def max_score(self) -> float:
-        return sum(p.part.points for p in self.parts)
 
 
 def grade(
@@ -369,7 +278,7 @@ def _plan(
     runs = []
     for part, ids in ids_by_part.items():
         for hidden in (False, True):
-            chosen = tuple(i for i in ids if _is_hidden(i) is hidden)
+            chosen = tuple(i for i in ids if is_hidden(i) is hidden)
             if not chosen:
                 continue
             name = f"{part}-hidden" if hidden else part
@@ -415,104 +324,6 @@ def _parts(ids: list[str]) -> str:
     return f"parts {', '.join(ids[:-1])} and {ids[-1]}"
 
 
-def submitted_file(submission: Path, path: str) -> Path | None:
-    """The submission's file at ``path``, or None if it is missing or reached through a link."""
-    file = submission / path
-    if not file.is_file() or file.resolve() != submission.resolve() / path:
-        return None
-    return file
-
-
-def protected_changes(submission: Path, trusted: Path, assignment: Assignment) -> list[str]:
-    """Files of the submission, outside ``editable``, that are new or differ from ``trusted``,
-    and every symbolic link in it (never followed)."""
-    if submission.resolve() == trusted.resolve():
-        return []
-    ours = tree_files(trusted)
-    changed = [f"{link} (symbolic link)" for link in symbolic_links(submission)]
-    for path, file in tree_files(submission).items():
-        if path in assignment.editable:
-            continue
-        original = ours.get(path)
-        if original is None or original.read_bytes() != file.read_bytes():
-            changed.append(path)
-    return changed
-
-
-def tree_files(root: Path) -> dict[str, Path]:
-    """Every file under ``root`` by relative path, less version control, caches, venvs and
-    symbolic links (a submitted link could point anywhere)."""
-    found = {}
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_NAMES)
-        for name in names:
-            path = Path(directory) / name
-            if not name.endswith(".pyc") and not path.is_symlink():
-                found[path.relative_to(root).as_posix()] = path
-    return found
-
-
-def symbolic_links(root: Path) -> list[str]:
-    """Every symbolic link under ``root`` (to a file or a folder), by relative path."""
-    links = []
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = [d for d in subdirs if d not in SKIPPED_NAMES]
-        for name in subdirs + names:
-            path = Path(directory) / name
-            if path.is_symlink():
-                links.append(path.relative_to(root).as_posix())
-    return sorted(links)
-
-
-def tree_state(root: Path) -> dict[str, str]:
-    """Every path under ``root``, links included, with a fingerprint: the content's sha256 for
-    each file of ``tree_files``, ``_metadata_fingerprint`` for the rest (version control,
-    virtual environments, caches: too large to read each time)."""
-    state = {}
-    content = tree_files(root)
-    for directory, subdirs, names in os.walk(root):
-        for name in names + [d for d in subdirs if Path(directory, d).is_symlink()]:
-            path = Path(directory) / name
-            relative = path.relative_to(root).as_posix()
-            if relative in content:
-                state[relative] = hashlib.sha256(path.read_bytes()).hexdigest()
-            else:
-                state[relative] = _metadata_fingerprint(path.lstat())
-    return state
-
-
-def _metadata_fingerprint(info: os.stat_result) -> str:
-    """What a write to a file changes: its inode, mode, size and mtime, and its ctime when the
-    file has one name only.
-
-    A file with several hard links shares its inode, and so its ctime and link count, with
-    names outside the tree: uv links a virtual environment's files to its shared cache, and
-    every other environment that links the same cached file changes that ctime. Those files
-    are fingerprinted without it, so that no other process's activity voids a grade; a write
-    that also sets the mtime back is then unseen (the sandbox keeps a submission from writing
-    anything outside its own tree).
-    """
-    ctime = info.st_ctime_ns if info.st_nlink == 1 else "linked"
-    return f"{info.st_ino} {info.st_mode} {info.st_size} {info.st_mtime_ns} {ctime}"
-
-
-def first_change(before: dict[str, str], after: dict[str, str]) -> str | None:
-    """The first path, in sorted order, written, added or removed between two ``tree_state``s."""
-    changed = sorted(
-        path for path in before.keys() | after.keys() if before.get(path) != after.get(path)
-    )
-    return changed[0] if changed else None
-
-
-def copy_clean(source: Path, target: Path, leave_out: str | None = None) -> None:
-    """Copy the files of ``tree_files(source)``, less the folder ``leave_out`` if given."""
-    for path, file in tree_files(source).items():
-        if leave_out is not None and path.startswith(leave_out + "/"):
-            continue
-        (target / path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(file, target / path)
-
-
 def _plain_tree(tree: Path, base: Path, submitted: dict[str, bytes], hidden: bool) -> Path:
     """The trusted tree with the submitted files that passed the policy, byte for byte."""
     copy_clean(base, tree, leave_out=None if hidden else HIDDEN_DIR.as_posix())
@@ -552,10 +363,6 @@ def _isolated_tree(
     return tree
 
 
-def _is_hidden(nodeid: str) -> bool:
-    return nodeid.startswith(HIDDEN_DIR.as_posix() + "/")
-
-
 def _test_files(base: Path, assignment: Assignment) -> list[str]:
     """The graded test files of the assignment's phases, hidden ones included."""
     phases = {str(part.phase) for part in assignment.parts}
@@ -593,7 +400,7 @@ def _collect(
         raise RuntimeError(f"collecting the trusted tests failed:\n{done.stdout[-2000:]}")
     by_part: dict[str, list[str]] = {part: [] for part in assignment.part_ids}
     for nodeid in ids:
-        part = _part_of(nodeid)
+        part = part_of_nodeid(nodeid)
         if part in by_part and not nodeid.endswith(POLICY_TEST_SUFFIX):
             by_part[part].append(nodeid)
     return by_part
@@ -658,157 +465,10 @@ def _run_part(tree: Path, ids: list[str], settings: Settings) -> RunResult:
     )
     os.close(write_end)
     try:
-        data, timed_out = _read_pipe(read_end, process, settings.timeout)
+        data, timed_out = read_pipe(read_end, process, settings.timeout)
     finally:
         os.close(read_end)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # whatever the tests left behind
         process.wait()
-    return _read_report(data, ids, timed_out, settings.timeout)
-
-
-def _read_pipe(fd: int, process: subprocess.Popen, timeout: float) -> tuple[bytes, bool]:
-    """What the reporter wrote (``MAX_REPORT_BYTES`` at most), until every writer closed the
-    pipe, the process exited and ``PIPE_GRACE`` passed (a survivor may hold the pipe), or
-    ``timeout`` ran out."""
-    deadline = time.monotonic() + timeout
-    chunks: list[bytes] = []
-    size = 0
-    exited_at = None
-    while True:
-        now = time.monotonic()
-        if exited_at is None and process.poll() is not None:
-            exited_at = now
-        if exited_at is not None and now - exited_at > PIPE_GRACE:
-            return b"".join(chunks), False
-        if now > deadline:
-            return b"".join(chunks), True
-        ready, _, _ = select.select([fd], [], [], 0.05)
-        if not ready:
-            continue
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            return b"".join(chunks), False
-        if size < MAX_REPORT_BYTES:
-            chunks.append(chunk)
-            size += len(chunk)
-
-
-class MalformedReport(ValueError):
-    """The report holds a line that is not a record the reporter writes."""
-
-
-@dataclass(slots=True, frozen=True)
-class Record:
-    """One phase of one test, as the reporter wrote it."""
-
-    nodeid: str
-    when: str
-    outcome: str
-    message: str
-    flagged: str | None
-
-
-def _records(data: bytes, wanted: set[str]) -> tuple[list[Record], bool, str | None]:
-    """The report's records, whether it ended with ``finished``, and the ``tampered`` it gave.
-
-    Raises ``MalformedReport`` naming the first line that is not a record of a test in
-    ``wanted`` (a phase at most once each) or the one ``finished`` line, last; any byte
-    sequence gives a record list or that exception. A last line without its newline (the
-    process was killed while writing it) is left out.
-    """
-    if len(data) >= MAX_REPORT_BYTES:
-        raise MalformedReport(f"the report is larger than {MAX_REPORT_BYTES} bytes")
-    records: list[Record] = []
-    seen: set[tuple[str, str]] = set()
-    lines = data.split(b"\n")[:-1]  # the last piece is empty, or a line cut short by a kill
-    for number, line in enumerate(lines, 1):
-        try:
-            value = json.loads(line.decode("utf-8"))
-        except (ValueError, RecursionError):
-            raise MalformedReport(f"line {number} is not JSON") from None
-        if not isinstance(value, dict):
-            raise MalformedReport(f"line {number} is not an object")
-        if value.get("event") == "finished":
-            tampered = value.get("tampered")
-            if set(value) != {"event", "tampered"} or not isinstance(tampered, str | None):
-                raise MalformedReport(f"line {number}: a malformed finished record")
-            if number != len(lines):
-                raise MalformedReport(f"line {number}: records after the finished record")
-            return records, True, _text(tampered) if tampered is not None else None
-        record = _record(value, number, wanted)
-        if (record.nodeid, record.when) in seen:
-            raise MalformedReport(f"line {number}: a second {record.when} record for a test")
-        seen.add((record.nodeid, record.when))
-        records.append(record)
-    return records, False, None
-
-
-def _record(value: dict, number: int, wanted: set[str]) -> Record:
-    """The record on line ``number``, or ``MalformedReport``."""
-    if set(value) != {"nodeid", "when", "outcome", "message", "flagged"}:
-        raise MalformedReport(f"line {number}: not a test record")
-    nodeid, when, outcome = value["nodeid"], value["when"], value["outcome"]
-    message, flagged = value["message"], value["flagged"]
-    if not all(isinstance(v, str) for v in (nodeid, when, outcome, message)):
-        raise MalformedReport(f"line {number}: a field that should be a string is not")
-    if not isinstance(flagged, str | None):
-        raise MalformedReport(f"line {number}: flagged is neither a string nor null")
-    if nodeid not in wanted:
-        raise MalformedReport(f"line {number}: a record for a test this run did not ask for")
-    if when not in PHASES or outcome not in OUTCOMES:
-        raise MalformedReport(f"line {number}: an unknown phase or outcome")
-    flag = _text(flagged) if flagged is not None else None
-    return Record(nodeid, when, outcome, _text(message), flag)
-
-
-def _text(value: str) -> str:
-    """A message fit to print: lone surrogates replaced, ``MAX_MESSAGE`` characters at most."""
-    return value.encode("utf-8", "replace").decode("utf-8")[-MAX_MESSAGE:]
-
-
-def _read_report(data: bytes, ids: list[str], timed_out: bool, timeout: float) -> RunResult:
-    """Each test's outcome from the reporter's lines; unreported tests count as failed.
-
-    The run's status is ``timeout`` if it ran out of time, else ``error`` if the report is
-    malformed (every test then fails, flagged), a test was flagged, pytest was tampered with
-    or the session did not finish; else ``failed`` or ``passed``.
-    """
-    try:
-        records, finished, tampered = _records(data, set(ids))
-    except MalformedReport as exc:
-        detail = f"malformed report record: {exc}"
-        failed = [TestOutcome(nodeid, "failed", detail) for nodeid in ids]
-        return failed, "timeout" if timed_out else "error", detail
-    phases: dict[str, list[Record]] = {}
-    for record in records:
-        phases.setdefault(record.nodeid, []).append(record)
-    unreported = "timeout" if timed_out else "missing"
-    outcomes = []
-    flags = []
-    for nodeid in ids:
-        own = phases.get(nodeid, [])
-        flagged = next((r.flagged for r in own if r.flagged is not None), None)
-        failed = [r for r in own if r.outcome == "failed"]
-        if tampered is not None:
-            outcomes.append(TestOutcome(nodeid, "failed", f"pytest was tampered with: {tampered}"))
-        elif flagged is not None:
-            flags.append(f"{nodeid.partition('::')[2]}: {flagged}")
-            outcomes.append(TestOutcome(nodeid, "failed", flagged))
-        elif failed:
-            outcomes.append(TestOutcome(nodeid, "failed", failed[0].message))
-        elif any(r.when == "call" and r.outcome == "passed" for r in own):
-            outcomes.append(TestOutcome(nodeid, "passed"))
-        else:
-            outcomes.append(TestOutcome(nodeid, unreported, "never reported"))
-    if timed_out:
-        return outcomes, "timeout", f"killed after {timeout:.0f} s"
-    if tampered is not None:
-        return outcomes, "error", f"pytest was tampered with ({tampered})"
-    if flags:
-        more = f" (and {len(flags) - 1} more flagged)" if len(flags) > 1 else ""
-        return outcomes, "error", flags[0] + more
-    if not finished:
-        return outcomes, "error", "the test process ended before the session finished"
-    passed = all(o.outcome == "passed" for o in outcomes)
-    return outcomes, "passed" if passed else "failed", ""
+    return read_report(data, ids, timed_out, settings.timeout)

@@ -47,9 +47,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from vkv.assignment.grade import HIDDEN_DIR
 from vkv.assignment.parts import Assignment
 from vkv.assignment.release import release, source_files
+from vkv.assignment.results import HIDDEN_DIR
 
 UV_VERSION = "0.13.9"  # the uv setup.sh installs: the one that ran test_gradescope.py here
 EDITION = "edition"

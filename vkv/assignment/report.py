@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from vkv.assignment import comment
-from vkv.assignment.grade import GradeReport, PartResult, TestOutcome
+from vkv.assignment.results import GradeReport, PartResult, TestOutcome
 
 MAX_OUTPUT = 2000
 FAILING_SHOWN = 3
