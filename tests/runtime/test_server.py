@@ -305,7 +305,8 @@ def forgotten(engine: LLMEngine, timeout: float = 10.0) -> bool:
 
 
 def test_chat_uses_the_checkpoints_template_when_it_has_one(tmp_path):
-    from vkv.server import chat_template_of, render_chat
+    from vkv.openai_request import render_chat
+    from vkv.server import chat_template_of
 
     messages = [{"role": "user", "content": "hi"}]
     assert render_chat(messages, None) == "user: hi\nassistant: "
