@@ -27,9 +27,20 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from vkv.assignment.parts import MANIFEST, Assignment
-from vkv.config import GRANULARITIES, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_DTYPES, QUANT_GROUPS
-from vkv.models import SHAPES
+from vkv.assignment.commands import (
+    check_command,
+    grade_command,
+    gradescope_command,
+    release_command,
+    solve_command,
+)
+from vkv.cli_options import (
+    add_kv_cache_options,
+    add_model_options,
+    kv_budget_bytes,
+    kv_cache_arguments,
+    model_arguments,
+)
 
 DESCRIPTION = "vkv-engine: a paged-KV inference engine and the course built on it."
 GENERATE = "generate text (default model: the built-in vkv-tiny)"
@@ -74,50 +85,6 @@ def _error(exc: Exception) -> int:
     return 2
 
 
-def _grade(args: argparse.Namespace, console: Console) -> int:
-    from vkv.assignment import report
-    from vkv.assignment.grade import grade
-
-    if (args.hidden or args.format == "gradescope") and not (
-        args.require_sandbox or args.unsafe_no_sandbox
-    ):
-        used = "--hidden" if args.hidden else "--format gradescope"
-        raise ValueError(
-            f"{used} makes a grade, and a grade needs the sandbox: add --require-sandbox (it "
-            "refuses to grade where bubblewrap cannot run), or --unsafe-no-sandbox to get a "
-            "progress check that a submission could have cheated"
-        )
-    result = grade(
-        Path(args.path).resolve(),
-        Path(args.trusted).resolve() if args.trusted else None,
-        hidden=Path(args.hidden).resolve() if args.hidden else None,
-        reference=_reference_root(args) if args.isolate else None,
-        timeout=args.timeout,
-        require_sandbox=args.require_sandbox,
-        unsafe_no_sandbox=args.unsafe_no_sandbox,
-        seed=args.seed,
-        parts=Assignment.load(Path(args.trusted or args.path)).expand(args.parts)
-        if args.parts
-        else None,
-    )
-    if args.format == "table":
-        report.print_table(result, console)
-        return 0
-    render = {
-        "json": report.as_json,
-        "gradescope": report.as_gradescope,
-        "classroom": report.as_classroom,
-    }
-    text = render.get(args.format, report.as_markdown)(result)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text if text.endswith("\n") else text + "\n")
-        report.print_table(result, console)  # the file is for a machine; the table for a person
-    else:
-        print(text)
-    return 0
-
-
 def _generate(args: argparse.Namespace, console: Console) -> int:
     from vkv.engine.intake import check_text
     from vkv.llm import LLM
@@ -138,12 +105,12 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
     llm = LLM(
         args.model,
         block_size=args.block_size,
-        kv_cache_bytes=_kv_budget_bytes(args),
+        kv_cache_bytes=kv_budget_bytes(args),
         gpu_memory_fraction=args.gpu_memory_fraction,
         max_model_len=args.max_model_len,
         backend=args.backend,
-        **_model(args),
-        **_kv_cache(args),
+        **model_arguments(args),
+        **kv_cache_arguments(args),
     )
     with llm:
         outputs = llm.generate(args.prompts, params, use_progress=console.is_terminal)
@@ -176,7 +143,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         steps_per_second=None if args.fast else STEPS_PER_SECOND,
         record=record or None,
         watched=args.web,
-        **_kv_cache(args),
+        **kv_cache_arguments(args),
     )
     if args.record:
         console.print(f"recorded every step in {args.record}: vkv view {args.record}")
@@ -217,13 +184,13 @@ def _serve(args: argparse.Namespace, console: Console) -> int:
     engine = LLMEngine(
         args.model,
         block_size=args.block_size,
-        kv_cache_bytes=_kv_budget_bytes(args),
+        kv_cache_bytes=kv_budget_bytes(args),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         num_cpu_blocks=args.cpu_blocks,
         record=live_page,
-        **_model(args),
-        **_kv_cache(args),
+        **model_arguments(args),
+        **kv_cache_arguments(args),
     )
     app = create_app(engine, model_label(args.model), chat_template_of(args.model))
     console.print(f"vkv serve: http://{args.host}:{args.port}/v1 (metrics at /metrics)")
@@ -261,7 +228,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     try:
         result = run_e2e(
             args.model,
-            **_model(args),
+            **model_arguments(args),
             workload=args.workload,
             num_requests=args.requests,
             max_num_seqs=args.max_num_seqs,
@@ -302,147 +269,6 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _release(args: argparse.Namespace, console: Console) -> int:
-    from vkv.assignment.release import release
-
-    out = Path(args.out).resolve()
-    files = release(_reference_root(args), out, classroom=args.classroom)
-    console.print(f"wrote the student edition ({len(files)} files, one commit) to {out}")
-    if args.classroom:
-        console.print("with .github/workflows/classroom.yml (GitHub Classroom's autograding)")
-    return 0
-
-
-def _solve(args: argparse.Namespace, console: Console) -> int:
-    from vkv.assignment.release import solve
-
-    root = _reference_root(args)
-    parts = Assignment.load(root).expand(args.parts)
-    changed = solve(root, Path(args.dir).resolve(), parts)
-    console.print(f"reference code for parts {', '.join(sorted(parts))} written to:")
-    for path in changed:
-        console.print(f"  {path}")
-    return 0
-
-
-def _check(args: argparse.Namespace, console: Console) -> int:
-    from vkv.assignment.check import check
-
-    findings = check(_reference_root(args), console)
-    return 0 if all(finding.ok for finding in findings) else 1
-
-
-def _gradescope(args: argparse.Namespace, console: Console) -> int:
-    from vkv.assignment.gradescope import package
-
-    root = _reference_root(args)
-    parts = Assignment.load(root).expand(args.parts) if args.parts else None
-    out = Path(args.out).resolve()
-    names = package(root, out, parts)
-    graded = f"parts {', '.join(sorted(parts))}" if parts else "every part"
-    console.print(f"wrote the Gradescope autograder ({len(names)} files; grades {graded}): {out}")
-    return 0
-
-
-def _reference_root(args: argparse.Namespace) -> Path:
-    """The instructor's reference tree: ``--root``, else the tree this package runs from."""
-    root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parents[1]
-    if not (root / MANIFEST).is_file():
-        raise FileNotFoundError(
-            f"no reference tree at {root} ({MANIFEST} missing); pass --root REFERENCE"
-        )
-    if Assignment.load(root).edition == "student":
-        raise ValueError(
-            f"{root} is a student edition: it holds no reference code, so `vkv grade --isolate` "
-            "and `vkv assignment release|solve|check` cannot run from it. Instructors: pass "
-            "--root with the reference repository. Students: `uv run vkv grade` (without "
-            "--isolate) scores your tree."
-        )
-    return root
-
-
-def _model_options(command: argparse.ArgumentParser) -> None:
-    """Which model runs, with which weights, in which dtype, on which device: the same for
-    every command that serves a checkpoint."""
-    command.add_argument(
-        "--model", help="a Hugging Face checkpoint folder (default: the built-in vkv-tiny)"
-    )
-    command.add_argument(
-        "--load-format",
-        choices=list(LOAD_FORMATS),
-        default="auto",
-        help="dummy: random weights of the shape in --model's config.json, no weights needed "
-        f"(real models' shapes ship in {SHAPES})",
-    )
-    command.add_argument(
-        "--dtype",
-        choices=list(MODEL_DTYPES),
-        default="auto",
-        help="the weights' and the KV cache's dtype (auto: float16 on CUDA, float32 on a CPU)",
-    )
-    command.add_argument(
-        "--device", choices=["cpu", "cuda"], help="default: cuda where there is one, else cpu"
-    )
-
-
-def _model(args: argparse.Namespace) -> dict[str, str | None]:
-    """The engine's keyword arguments for the options of ``_model_options``."""
-    return {"load_format": args.load_format, "dtype": args.dtype, "device": args.device}
-
-
-def _kv_cache_options(command: argparse.ArgumentParser) -> None:
-    """The KV-cache options (formats, Phase 3; prefix caching, Phase 4; the heads' split over
-    processes), the same for every command that runs the model."""
-    command.add_argument(
-        "--kv-cache-dtype",
-        choices=list(KV_CACHE_DTYPES),
-        default="auto",
-        help="store the KV cache quantized (int8, int4): the same bytes hold more blocks",
-    )
-    command.add_argument(
-        "--key-granularity",
-        choices=list(GRANULARITIES),
-        default="per_token",
-        help="with int8 / int4: quantize keys per token and head, or per channel over each block "
-        "(KIVI: a block's keys wait in full precision until it fills)",
-    )
-    command.add_argument(
-        "--kv-quant-group",
-        choices=list(QUANT_GROUPS),
-        default="head",
-        help="with int8 / int4: a per-token scale covers one KV head, or all of a token's "
-        "(fewer scales: more blocks, a little less precision)",
-    )
-    command.add_argument(
-        "--enable-prefix-caching",
-        action="store_true",
-        help="share the KV blocks of prompt prefixes computed before (a radix tree of blocks)",
-    )
-    command.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the model's heads and the KV cache over N processes (torch.distributed)",
-    )
-
-
-def _kv_budget_bytes(args: argparse.Namespace) -> int | None:
-    """``--kv-budget-mb`` in bytes; None leaves the engine's own budget."""
-    return None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20)
-
-
-def _kv_cache(args: argparse.Namespace) -> dict[str, str | bool | int]:
-    """The engine's keyword arguments for the options of ``_kv_cache_options``."""
-    return {
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "key_granularity": args.key_granularity,
-        "kv_quant_group": args.kv_quant_group,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "tensor_parallel_size": args.tensor_parallel_size,
-    }
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vkv", description=DESCRIPTION)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -481,11 +307,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow --hidden and --format gradescope without a sandbox: a progress check only",
     )
-    grade.set_defaults(run=_grade)
+    grade.set_defaults(run=grade_command)
 
     generate = commands.add_parser("generate", help=GENERATE, description=GENERATE)
     generate.add_argument("prompts", nargs="+", metavar="PROMPT")
-    _model_options(generate)
+    add_model_options(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     generate.add_argument("--top-k", type=int, default=-1)
@@ -503,7 +329,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--max-model-len", type=int, default=2048)
     generate.add_argument("--backend", choices=["torch", "triton"])
-    _kv_cache_options(generate)
+    add_kv_cache_options(generate)
     generate.set_defaults(run=_generate)
 
     demo = commands.add_parser(
@@ -531,7 +357,7 @@ def _parser() -> argparse.ArgumentParser:
         help="show the run live in a page on 127.0.0.1 (--port), 8 steps a second unless --fast",
     )
     demo.add_argument("--port", type=int, default=8001, help="the live page's port (--web)")
-    _kv_cache_options(demo)
+    add_kv_cache_options(demo)
     demo.set_defaults(run=_demo)
 
     view = commands.add_parser("view", help="replay a recorded run (vkv demo --record) in a page")
@@ -541,7 +367,7 @@ def _parser() -> argparse.ArgumentParser:
     view.set_defaults(run=_view)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible server, with /metrics")
-    _model_options(serve)
+    add_model_options(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--block-size", type=int, default=16)
@@ -552,7 +378,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--view-port", type=int, help="also serve the live page of the KV cache on this port"
     )
-    _kv_cache_options(serve)
+    add_kv_cache_options(serve)
     serve.set_defaults(run=_serve)
 
     monitor = commands.add_parser("monitor", help="Prometheus and Grafana for vkv serve")
@@ -567,7 +393,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks of the runtime")
     benchmarks = bench.add_subparsers(required=True, metavar="BENCHMARK")
     e2e = benchmarks.add_parser("e2e", help="vkv vs transformers' generate, same requests")
-    _model_options(e2e)
+    add_model_options(e2e)
     e2e.add_argument(
         "--workload",
         default="mixed",
@@ -591,17 +417,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add classroom.yml: grade every push and report points to GitHub Classroom",
     )
-    release.set_defaults(run=_release)
+    release.set_defaults(run=release_command)
     solve = tools.add_parser("solve", help="put reference code for some parts into a tree")
     solve.add_argument("dir")
     solve.add_argument("--parts", required=True, help="e.g. 1.1,1.2 or a phase: 1, or all")
-    solve.set_defaults(run=_solve)
+    solve.set_defaults(run=solve_command)
     check = tools.add_parser("check", help="prove the assignment sound")
-    check.set_defaults(run=_check)
+    check.set_defaults(run=check_command)
     gradescope = tools.add_parser("gradescope", help="write the Gradescope autograder zip")
     gradescope.add_argument("out", help="the zip to write (a new file)")
     gradescope.add_argument("--parts", help="grade only these parts: 1.1,1.2 or a phase: 1")
-    gradescope.set_defaults(run=_gradescope)
+    gradescope.set_defaults(run=gradescope_command)
     for tool in (release, solve, check, gradescope):
         tool.add_argument("--root", help="the reference tree (default: this package's tree)")
     return parser
