@@ -362,7 +362,8 @@ class CausalLM(nn.Module):
         tensors of the right shapes: ``load_state_dict`` raises otherwise); ``hf_mismatch``'s
         names."""
         missing, unexpected = self.hf_mismatch(state)
-        merged = {key: value for key, value in state.items() if key not in unexpected}
+        ignored = set(unexpected)
+        merged = {key: value for key, value in state.items() if key not in ignored}
         for name, linear in self.merged_linears().items():
             prefix = name.rsplit(".", 1)[0]
             for kind in ("weight", "bias"):
