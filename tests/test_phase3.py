@@ -17,6 +17,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import re
+import subprocess
+import sys
 
 import pytest
 import triton
@@ -705,6 +707,58 @@ def test_part6_attention_returns_the_querys_dtype():
         f"prefill returns [new_tokens, num_heads, head_dim] in the query's dtype: got "
         f"{got.dtype} {list(got.shape)}"
     )
+
+
+def assert_rounded_once(got, expected, what):
+    """``got`` (half precision) is ``expected`` (float64) rounded once to its dtype: element by
+    element within half a unit in the last place of that dtype (``torch.finfo(...).eps / 2``
+    relative), plus 1e-4 for float32's own rounding on the way. Attention computed in float32
+    and cast at the end meets it; scores, softmax or the weighted sum taken in bf16 or fp16
+    miss it by far (an error of about 1e-2 on outputs of about 1)."""
+    unit = torch.finfo(got.dtype).eps / 2
+    error = (got.double() - expected).abs()
+    bound = unit * expected.abs() + 1e-4
+    worst = int((error - bound).argmax())
+    rounded_once = bool((error <= bound).all())
+    assert rounded_once, (
+        f"{what}: in {got.dtype}, each output must be the float32 attention rounded once to "
+        f"{got.dtype} (scores, softmax and the weighted sum in float32, the cast at the end): "
+        f"an output of {float(expected.flatten()[worst]):.4f} came back "
+        f"{float(got.double().flatten()[worst]):.4f}, {float(error.flatten()[worst]):.2g} off "
+        f"(at most {float(bound.flatten()[worst]):.2g})"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_part6_half_precision_queries_attend_in_float32(dtype):
+    k_cache, v_cache = random_cache(8, 36), random_cache(8, 37)
+    g = torch.Generator().manual_seed(38)
+    decode_query = (torch.randn(4, 4, HEAD_DIM, generator=g) * 2).to(dtype)
+    got = quantized_decode_attention(
+        decode_query,
+        k_cache,
+        v_cache,
+        torch.tensor(TABLES, dtype=torch.int32),
+        torch.tensor(LENGTHS),
+        0.5,
+    )
+    for i, (table, length) in enumerate(zip(TABLES, LENGTHS, strict=True)):
+        keys, values = dense_values(k_cache, table, length), dense_values(v_cache, table, length)
+        expected = dense_attention(decode_query[i : i + 1], keys, values, [length - 1], 0.5)[0]
+        assert_rounded_once(got[i], expected, f"decode, sequence {i}")
+    prefill_query = (torch.randn(6, 4, HEAD_DIM, generator=g) * 2).to(dtype)
+    got = quantized_prefill_attention(
+        prefill_query,
+        k_cache,
+        v_cache,
+        torch.tensor([0, 6]),
+        torch.tensor([TABLES[2]], dtype=torch.int32),
+        torch.tensor([8]),
+        0.5,
+    )
+    keys, values = dense_values(k_cache, TABLES[2], 8), dense_values(v_cache, TABLES[2], 8)
+    expected = dense_attention(prefill_query, keys, values, list(range(2, 8)), 0.5)
+    assert_rounded_once(got, expected, "prefill of 6 new tokens after 2 cached ones")
 
 
 @pytest.mark.parametrize(("bits", "num_heads"), [(8, 2), (4, 4)], ids=["int8", "int4-gqa"])
@@ -1438,3 +1492,41 @@ def test_part8_masked_lanes_are_zero_and_read_nothing(bits, per_channel):
         "and channels 4..15 are padding: those lanes are 0.0 and no plane is read for them "
         "(the planes hold NaN there)",
     )
+
+
+FAR_TILES = """
+import sys
+sys.path[:0] = {path!r}
+from test_phase3 import load_tile
+far = 1 << 44  # elements past every plane: a read there faults
+for bits, per_channel in {kinds!r}:
+    codes = [7] * 4 if bits == 8 else [0x77] * 2
+    print(bits, per_channel, flush=True)  # the kind being read, should the read crash
+    tile = load_tile(codes, [0.5] * 4, [1.0] * 4, [0, far], [0, far], [1, 0], bits, per_channel, 4)
+    print(tile[:, :4].tolist(), flush=True)
+"""
+FAR_KINDS = [(8, False), (4, False), (8, True), (4, True)]
+
+
+def test_part8_a_masked_token_is_never_read_wherever_its_offsets_point():
+    """Token 1 is masked and its offsets point 2**44 elements past the planes, where a load
+    faults (a crash on a CPU, an illegal address on a GPU), so the tiles are made in a child
+    process. The final ``tl.where`` discards a masked lane's value, not its read."""
+    source = FAR_TILES.format(path=sys.path, kinds=FAR_KINDS)
+    child = subprocess.run(
+        [sys.executable, "-c", source], capture_output=True, text=True, timeout=300
+    )
+    lines = child.stdout.split("\n")[:-1]
+    reading = lines[-1] if len(lines) % 2 else "(outside the tiles)"
+    crashed = child.returncode != 0
+    assert not crashed, (
+        f"a masked token's codes, scale and zero must not be loaded at all (pass mask=... to "
+        f"every tl.load that reads them): with its offsets far outside the planes, the process "
+        f"making the tiles exited with {child.returncode} while reading (bits, per channel) = "
+        f"{reading}: {child.stderr.strip()[-400:]}"
+    )
+    for (bits, per_channel), tile in zip(FAR_KINDS, lines[1::2], strict=True):
+        assert tile == str([[4.5] * 4, [0.0] * 4]), (
+            f"INT{bits}{' keys per channel' if per_channel else ''}: token 0 is 7 * 0.5 + 1.0 "
+            f"= 4.5 in every channel and the masked token 0.0; got {tile}"
+        )

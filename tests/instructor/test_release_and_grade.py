@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -13,7 +14,6 @@ from vkv.assignment.grade import grade
 from vkv.assignment.parts import Assignment
 from vkv.assignment.regions import find_regions
 from vkv.assignment.release import PARALLEL_TESTS, release, solve
-from vkv.assignment.report import as_json
 from vkv.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,17 +95,40 @@ def test_grade_scores_zero_on_the_edition_and_per_part_after_solve(tmp_path):
     assert all(score.score == 0 for score in fresh), "the stubs earn no points"
     assert [score.status for score in fresh] == ["not started", "not started"]
     solve(ROOT, out, {"1.1", "1.2"})
-    result = grade(out)
-    scores = {s.part.id: s for s in result.parts}
-    assert scores["1.1"].score == scores["1.1"].part.points
-    assert scores["1.2"].score == scores["1.2"].part.points
-    assert scores["1.5"].status == "not started" and scores["1.5"].score < scores["1.5"].part.points
-    assert scores["2.1"].status == "failed" and "part 1.3" in scores["2.1"].detail, (
+    document, lines = _grade_piped(out)
+    scores = {s["id"]: s for s in document["parts"]}
+    assert scores["1.1"]["score"] == scores["1.1"]["max_score"]
+    assert scores["1.2"]["score"] == scores["1.2"]["max_score"]
+    assert scores["1.5"]["status"] == "not started"
+    assert scores["1.5"]["score"] < scores["1.5"]["max_score"]
+    assert scores["2.1"]["status"] == "failed" and "part 1.3" in scores["2.1"]["detail"], (
         "2.1's tests fail on 1.3's stub: the report says to finish part 1.3 first"
     )
-    document = json.loads(as_json(result))
     assert document["max_score"] == sum(p.points for p in ASSIGNMENT.parts)
-    assert document["score"] == pytest.approx(sum(s.score for s in scores.values()))
+    assert document["score"] == pytest.approx(sum(s["score"] for s in scores.values()))
+    said = [line.split()[1] for _, line in lines if line.startswith("part ")]
+    assert sorted(said) == sorted(ASSIGNMENT.part_ids), "a line a part, each part once"
+    full = f"{scores['1.1']['max_score']:g}/{scores['1.1']['max_score']:g}"
+    assert full in next(line for _, line in lines if line.startswith("part 1.1 ")), lines
+    first, last = lines[0][0], lines[-1][0]
+    assert first < last / 2, f"lines come as parts end, not all at once ({first:.0f}/{last:.0f} s)"
+
+
+def _grade_piped(tree: Path) -> tuple[dict, list[tuple[float, str]]]:
+    """``vkv grade --format json`` of ``tree`` on pipes: the document, and each line of stderr
+    with the seconds after the start at which it came."""
+    started = time.monotonic()
+    with (tree.parent / "grade.json").open("w+") as document:
+        process = subprocess.Popen(
+            [Path(sys.executable).with_name("vkv"), "grade", str(tree), "--format", "json"],
+            stdout=document,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        lines = [(time.monotonic() - started, line.rstrip("\n")) for line in process.stderr]
+        assert process.wait() == 0, lines
+        document.seek(0)
+        return json.load(document), lines
 
 
 def test_solve_all_restores_the_reference_files(tmp_path):

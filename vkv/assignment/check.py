@@ -22,6 +22,7 @@ It builds the student edition in a temporary folder and verifies:
 import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -98,9 +99,11 @@ def check(root: Path, console: Console) -> list[Finding]:
         findings.append(_same_signatures(trees["reference"], trees["edition"]))
 
         hidden = sorted(p.relative_to(root).as_posix() for p in (root / HIDDEN).glob("test_*.py"))
-        for tree in [*trees.values(), *mutant_trees.values()]:  # hidden tests: same rules
+        every_tree = [*trees.values(), *mutant_trees.values()]
+        for tree in every_tree:  # hidden tests: same rules
             copy_tree(root, tree, hidden)
         test_files = assignment.test_files + hidden
+        _share_rewritten_tests(trees["reference"], every_tree, test_files)
 
         workers = usable_cpus()
         console.print(f"running the graded tests in {len(trees)} trees, {workers} at a time")
@@ -172,6 +175,36 @@ def _run_timed(
         + ")"
     )
     return results
+
+
+def _share_rewritten_tests(reference: Path, trees: list[Path], test_files: list[str]) -> None:
+    """Have pytest rewrite the graded test modules' asserts once, in ``reference``, and give
+    every tree the result (``copy_clean``'s test caches): the trees' test files are the
+    reference's, times included, so each of the check's hundreds of runs loads them instead of
+    rewriting them again."""
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=reference,
+        env=environment | {"PYTHONPATH": str(reference)},
+        capture_output=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    caches = list(reference.glob("tests/**/__pycache__/*-pytest-*.pyc"))
+    for tree in trees:
+        for cache in caches if tree != reference else ():
+            (tree / cache.relative_to(reference)).parent.mkdir(exist_ok=True)
+            shutil.copy2(cache, tree / cache.relative_to(reference))
 
 
 def _apply(mutant: Mutant, tree: Path) -> str | None:

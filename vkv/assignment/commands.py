@@ -7,6 +7,7 @@ or from ``--root``; a student edition, which holds no reference code, is refused
 """
 
 import argparse
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -15,8 +16,17 @@ from vkv.assignment.parts import MANIFEST, Assignment
 
 
 def grade_command(args: argparse.Namespace, console: Console) -> int:
+    """Grade, printing a line a part to stderr as it ends (a long grade shows it is alive, and
+    stdout keeps only the form asked for), then the form."""
     from vkv.assignment import report
     from vkv.assignment.grade import grade
+
+    started = time.monotonic()
+    status = Console(stderr=True, highlight=False)
+
+    def progress(result, isolated) -> None:
+        line = report.progress_line(result, isolated, time.monotonic() - started)
+        status.print(line, markup=False, soft_wrap=True)
 
     if (args.hidden or args.format == "gradescope") and not (
         args.require_sandbox or args.unsafe_no_sandbox
@@ -36,6 +46,7 @@ def grade_command(args: argparse.Namespace, console: Console) -> int:
         require_sandbox=args.require_sandbox,
         unsafe_no_sandbox=args.unsafe_no_sandbox,
         seed=args.seed,
+        progress=progress,
         parts=Assignment.load(Path(args.trusted or args.path)).expand(args.parts)
         if args.parts
         else None,

@@ -60,8 +60,9 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -111,6 +112,7 @@ def grade(
     unsafe_no_sandbox: bool = False,
     enforce_policy: bool = True,
     seed: int | None = None,
+    progress: Callable[[PartResult, PartResult | None], None] | None = None,
 ) -> GradeReport:
     """Grade ``submission`` against the tests of ``trusted`` (default: itself).
 
@@ -121,7 +123,10 @@ def grade(
     submission could read them). ``seed`` (default: drawn at random) is every test process's
     ``VKV_GRADE_SEED``. ``enforce_policy=False`` (not offered by the CLI) lets code the policy
     would refuse run, so that the layers behind the policy (the sandbox, the guard) can be
-    tested on their own.
+    tested on their own. ``progress(plain, isolated)`` is called once per part as soon as all of
+    its runs have ended (``isolated`` is None without ``reference``), in the order parts finish:
+    what a person watching a long grade sees; the report is still the answer (a grade can be
+    void after every part reported).
     """
     started = time.monotonic()
     sandboxed = sandbox.available()
@@ -139,27 +144,6 @@ def grade(
     assignment = Assignment.load(trusted)
     if parts is not None:
         assignment = assignment.restricted_to(parts)
-    trusted_before = {} if self_graded else tree_state(trusted)
-    with tempfile.TemporaryDirectory(prefix="vkv-grade-", ignore_cleanup_errors=True) as scratch:
-        base = Path(scratch) / "base"
-        copy_clean(trusted, base)
-        if hidden is not None:
-            copy_clean(hidden, base / HIDDEN_DIR)
-        (base / GRADER_INI_NAME).write_text(GRADER_INI)
-        ids_by_part = _collect(base, _test_files(base, assignment), assignment, seed)
-        submitted, not_graded, files = check_submission(
-            submission, base, assignment, enforce_policy
-        )
-        runs = _plan(Path(scratch), base, ids_by_part, submitted, reference, assignment)
-        graded = [run for run in runs if run.part not in not_graded]
-        done = _run_all(graded, Settings(timeout, sandboxed, seed))
-    changed = None if self_graded else first_change(trusted_before, tree_state(trusted))
-    if changed is not None:
-        raise RuntimeError(
-            f"the trusted tree {trusted} changed while grading (a submission wrote to it; the "
-            f"first changed path: {changed}): this grade is void; restore the tree before "
-            "grading anything else"
-        )
 
     def result(part: Part, isolated: bool) -> PartResult:
         ids = ids_by_part[part.id]
@@ -171,6 +155,42 @@ def grade(
             return PartResult(part, (), "error", "no tests")
         own = [done[run] for run in runs if run.part == part.id and run.isolated is isolated]
         return _part_result(part, *_combine(own))
+
+    with tempfile.TemporaryDirectory(prefix="vkv-grade-", ignore_cleanup_errors=True) as scratch:
+        base = Path(scratch) / "base"
+        copy_clean(trusted, base)
+        if hidden is not None:
+            copy_clean(hidden, base / HIDDEN_DIR)
+        (base / GRADER_INI_NAME).write_text(GRADER_INI)
+        ids_by_part = _collect(base, _test_files(base, assignment), assignment, seed)
+        trusted_before = {} if self_graded else tree_state(trusted)  # after _collect's writes
+        submitted, not_graded, files = check_submission(
+            submission, base, assignment, enforce_policy
+        )
+        runs = _plan(Path(scratch), base, ids_by_part, submitted, reference, assignment)
+        graded = [run for run in runs if run.part not in not_graded]
+        done: dict[Run, RunResult] = {}
+        waiting = Counter(run.part for run in graded)
+
+        def tell(part: Part) -> None:
+            if progress is not None:
+                progress(result(part, False), result(part, True) if reference else None)
+
+        def finished(run: Run) -> None:
+            waiting[run.part] -= 1
+            if waiting[run.part] == 0:
+                tell(assignment.part(run.part))
+
+        for part in (part for part in assignment.parts if part.id not in waiting):
+            tell(part)  # not graded, or no tests: its result is known now
+        _run_all(graded, Settings(timeout, sandboxed, seed), done, finished)
+    changed = None if self_graded else first_change(trusted_before, tree_state(trusted))
+    if changed is not None:
+        raise RuntimeError(
+            f"the trusted tree {trusted} changed while grading (a submission wrote to it; the "
+            f"first changed path: {changed}): this grade is void; restore the tree before "
+            "grading anything else"
+        )
 
     report = GradeReport(
         parts=[result(part, False) for part in assignment.parts],
@@ -326,7 +346,7 @@ def _parts(ids: list[str]) -> str:
 
 def _plain_tree(tree: Path, base: Path, submitted: dict[str, bytes], hidden: bool) -> Path:
     """The trusted tree with the submitted files that passed the policy, byte for byte."""
-    copy_clean(base, tree, leave_out=None if hidden else HIDDEN_DIR.as_posix())
+    copy_clean(base, tree, None if hidden else HIDDEN_DIR.as_posix(), test_caches=True)
     for path, data in submitted.items():
         (tree / path).write_bytes(data)
     return tree
@@ -346,7 +366,7 @@ def _isolated_tree(
     An editable file that was not submitted (missing, a link, unreadable, refused by the
     policy) gives ``part`` the edition's stubs: the reference's file with ``part`` stubbed.
     """
-    copy_clean(base, tree, leave_out=None if hidden else HIDDEN_DIR.as_posix())
+    copy_clean(base, tree, None if hidden else HIDDEN_DIR.as_posix(), test_caches=True)
     for path in assignment.editable:
         ours = (reference / path).read_bytes().decode("utf-8")
         theirs = submitted.get(path)
@@ -383,12 +403,14 @@ def _collect(
     base: Path, files: list[str], assignment: Assignment, seed: int
 ) -> dict[str, list[str]]:
     """The graded test ids of the trusted tree, by part (collection imports trusted code only).
+    Being trusted, it writes the bytecode of what it imports, which the graded processes
+    (``python -B``) then read rather than compile again; the trusted tree is fingerprinted after.
 
     A part's policy test is left out: the grader checked the same policy before anything ran
     (a refused region is graded as its stub), and counted it would give points for any code
     the policy admits."""
     done = subprocess.run(
-        sandbox.python_command(str(base), _pytest_args(files, "--collect-only")),
+        sandbox.python_command(str(base), _pytest_args(files, "--collect-only"), True),
         cwd=base,
         env=sandbox.environment(seed),
         capture_output=True,
@@ -416,17 +438,21 @@ class Settings:
     seed: int
 
 
-def _run_all(runs: list[Run], settings: Settings) -> dict[Run, RunResult]:
-    """Every run's outcomes, status and detail. Sandboxed runs go in parallel; without a sandbox
-    the private ones go one at a time, after the others."""
+def _run_all(
+    runs: list[Run], settings: Settings, done: dict[Run, RunResult], finished: Callable[[Run], None]
+) -> None:
+    """Put every run's outcomes, status and detail in ``done``, calling ``finished(run)`` as each
+    ends. Sandboxed runs go in parallel, in order; without a sandbox private ones go last, alone."""
     alone = [run for run in runs if run.private and not settings.sandboxed]
     shared = [run for run in runs if run not in alone]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = pool.map(lambda run: _execute(run, settings), shared)
-        done = dict(zip(shared, results, strict=True))
+        futures = {pool.submit(_execute, run, settings): run for run in shared}
+        for future in as_completed(futures):
+            done[futures[future]] = future.result()
+            finished(futures[future])
     for run in alone:
         done[run] = _execute(run, settings)
-    return done
+        finished(run)
 
 
 def _execute(run: Run, settings: Settings) -> RunResult:

@@ -30,7 +30,8 @@ The package holds, under ``/autograder/source``:
   autograders: saligrama.io/blog/gradescope-autograder-security): installs bubblewrap (the
   grader's sandbox), Debian's ``prometheus`` (``promtool``, which grades parts 5.4-5.8), a C
   compiler (the CPU decode kernel), uv (pinned, ``UV_VERSION``, by its standalone installer into
-  ``/usr/local/bin``), then ``uv sync --frozen`` in ``edition/`` (Python and the locked packages);
+  ``/usr/local/bin``), then ``uv sync --frozen --compile-bytecode`` in ``edition/`` (Python and
+  the locked packages, compiled once: every graded process runs ``python -B`` and only reads);
 - ``run_autograder``: grades ``/autograder/submission`` with the edition's ``vkv grade``
   (``--trusted`` the edition, ``--hidden`` the hidden tests, ``--format gradescope``, output
   ``/autograder/results/results.json``), offline and with the ``uv`` found on ``PATH``. It asks
@@ -69,7 +70,8 @@ apt-get install -y -qq --no-install-recommends \\
     bubblewrap prometheus gcc libc6-dev curl ca-certificates
 curl -LsSf https://astral.sh/uv/{UV_VERSION}/install.sh | env UV_UNMANAGED_INSTALL=/usr/local/bin sh
 cd /autograder/source/{EDITION}
-/usr/local/bin/uv sync --frozen
+# compiled once here: every graded test process runs python -B, which reads .pyc but writes none
+/usr/local/bin/uv sync --frozen --compile-bytecode
 """
 
 RUN_AUTOGRADER = f"""\

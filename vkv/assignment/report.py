@@ -206,8 +206,20 @@ def print_table(report: GradeReport, console: Console) -> None:
         console.print(f"[yellow]not graded: protected file modified: {path}[/yellow]")
     for reason in report.not_graded.values():
         console.print(f"[yellow]{reason}[/yellow]", highlight=False)
-    line = escape(_sandbox_line(report))
+    line = escape(f"{_sandbox_line(report)}; {report.execution_time:.0f} s in all")
     console.print(f"[bold yellow]{line}[/bold yellow]" if report.progress_check else line)
+
+
+def progress_line(result: PartResult, isolated: PartResult | None, elapsed: float) -> str:
+    """One line of a grade under way, printed as a part's runs end: what the table's row will
+    say, and the seconds since the grade began."""
+    line = (
+        f"part {result.part.id} {result.part.title}: {result.passed}/{result.total} passed, "
+        f"{result.status}, {result.score:g}/{result.part.points:g}"
+    )
+    if isolated is not None:
+        line += f" ({isolated.score:g} isolated)"
+    return f"{line} [{elapsed:.0f} s]"
 
 
 def _sandbox_line(report: GradeReport) -> str:

@@ -59,10 +59,12 @@ def environment(seed: int | None = None, **extra: str) -> dict[str, str]:
     }
 
 
-def python_command(tree: str, pytest_args: list[str]) -> list[str]:
-    """``python -S -I -B`` running pytest with ``tree`` and site-packages as its only path."""
+def python_command(tree: str, pytest_args: list[str], write_bytecode: bool = False) -> list[str]:
+    """``python -S -I -B`` running pytest with ``tree`` and site-packages as its only path
+    (``write_bytecode``: without ``-B``, for trusted code only)."""
     path = os.pathsep.join([tree, *site.getsitepackages()])
-    return [sys.executable, "-S", "-I", "-B", "-c", BOOT, path, *pytest_args]
+    flags = ["-S", "-I"] if write_bytecode else ["-S", "-I", "-B"]
+    return [sys.executable, *flags, "-c", BOOT, path, *pytest_args]
 
 
 @functools.cache

@@ -103,10 +103,21 @@ def first_change(before: dict[str, str], after: dict[str, str]) -> str | None:
     return changed[0] if changed else None
 
 
-def copy_clean(source: Path, target: Path, leave_out: str | None = None) -> None:
-    """Copy the files of ``tree_files(source)``, less the folder ``leave_out`` if given."""
-    for path, file in tree_files(source).items():
+def copy_clean(
+    source: Path, target: Path, leave_out: str | None = None, test_caches: bool = False
+) -> None:
+    """Copy the files of ``tree_files(source)``, times included, less the folder ``leave_out``
+    if given; with ``test_caches``, also the modules pytest rewrote under ``tests/`` (its
+    ``__pycache__/*-pytest-*.pyc``, valid while the source's size and time are the same), so
+    that a test process in ``target`` loads them rather than rewriting each test module."""
+    files = tree_files(source)
+    if test_caches:
+        files |= {
+            cache.relative_to(source).as_posix(): cache
+            for cache in source.glob("tests/**/__pycache__/*-pytest-*.pyc")
+        }
+    for path, file in files.items():
         if leave_out is not None and path.startswith(leave_out + "/"):
             continue
         (target / path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(file, target / path)
+        shutil.copy2(file, target / path)
