@@ -10,6 +10,7 @@ from collections import Counter
 from typing import ClassVar
 
 import pytest
+from block_stand_ins import with_stand_in
 from cost import fastest_ratio
 from grading_policy import policy_test
 from hypothesis import given
@@ -450,40 +451,8 @@ def test_part2_sharing_a_free_block_is_rejected():
     )
 
 
-class StandInEvictor:
-    """A plain stand-in for part 1.5's Evictor, so that part 1.2's tests do not need it.
-
-    The same interface and order (least recently used first, then more hashed tokens), in O(n).
-    """
-
-    def __init__(self) -> None:
-        self.cached: dict[int, Block] = {}
-
-    def __len__(self) -> int:
-        return len(self.cached)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self.cached
-
-    def add(self, block: Block) -> None:
-        self.cached[block.block_id] = block
-
-    def remove(self, block_id: int) -> Block:
-        return self.cached.pop(block_id)
-
-    def evict(self) -> Block:
-        oldest = min(self.cached.values(), key=lambda b: (b.last_accessed, -b.num_hashed_tokens))
-        return self.cached.pop(oldest.block_id)
-
-
-def allocator_with_stand_in_evictor(num_blocks: int) -> BlockAllocator:
-    pool = BlockAllocator(Device.GPU, num_blocks)
-    pool.evictor = StandInEvictor()
-    return pool
-
-
 def test_part2_freed_block_with_a_hash_goes_to_the_evictor():
-    pool = allocator_with_stand_in_evictor(4)
+    pool = with_stand_in(Device.GPU, 4)
     block = pool.allocate()
     block.content_hash, block.num_hashed_tokens = 1234, 16
     pool.free(block)
@@ -498,7 +467,7 @@ def test_part2_freed_block_with_a_hash_goes_to_the_evictor():
 
 
 def test_part2_allocator_draws_from_truly_free_blocks_before_evicting():
-    pool = allocator_with_stand_in_evictor(3)
+    pool = with_stand_in(Device.GPU, 3)
     blocks = [pool.allocate() for _ in range(3)]
     for when, block in zip((2.0, 1.0), blocks[:2], strict=True):
         block.content_hash, block.num_hashed_tokens, block.last_accessed = 77 + when, 16, when
@@ -527,7 +496,7 @@ def test_part2_allocator_draws_from_truly_free_blocks_before_evicting():
 
 
 def test_part2_reuse_takes_a_cached_block_back_with_its_content():
-    pool = allocator_with_stand_in_evictor(2)
+    pool = with_stand_in(Device.GPU, 2)
     block = pool.allocate()
     block.content_hash, block.num_hashed_tokens = 99, 16
     pool.free(block)

@@ -20,6 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 from hypothesis_settings import graded_settings, run_counted_machine
+from scheduler_stand_ins import ids, small_scheduler, stand_in_preempt
 
 from vkv.config import Config
 from vkv.engine.block import Device
@@ -40,17 +41,7 @@ STATEFUL = graded_settings(max_examples=60, stateful_step_count=40)
 
 
 def make_scheduler(**overrides) -> Scheduler:
-    options = {
-        "block_size": 4,
-        "num_gpu_blocks": 64,
-        "num_cpu_blocks": 0,
-        "watermark": 0.0,
-        "max_model_len": 64,
-        "max_num_seqs": 8,
-        "eos_token_id": EOS,
-    }
-    options.update(overrides)
-    return Scheduler(Config(**options))
+    return small_scheduler(**{"eos_token_id": EOS, **overrides})
 
 
 def chunked(**overrides) -> Scheduler:
@@ -83,10 +74,6 @@ def step(scheduler: Scheduler, token: int = TOKEN) -> SchedulerOutput:
     out = scheduler.schedule()
     scheduler.postprocess(out.scheduled, [token] * len(out.scheduled))
     return out
-
-
-def ids(seqs) -> list[int]:
-    return [seq.seq_id for seq in seqs]
 
 
 def planned(out: SchedulerOutput) -> list[tuple[int, int, bool]]:
@@ -747,23 +734,6 @@ def test_part2_a_finished_sequences_place_is_refilled_the_next_step():
     assert waiting.status is SequenceStatus.RUNNING, (
         f"the admitted request is RUNNING, got {waiting.status.name}"
     )
-
-
-def stand_in_preempt(s: Scheduler) -> tuple[list[list[int]], object]:
-    """A stand-in for part 2.3's ``_preempt`` (a plain recompute), recording each call's ids."""
-    victims: list[list[int]] = []
-
-    def preempt(seqs: list[Sequence], out: SchedulerOutput) -> None:
-        victims.append(ids(seqs))
-        for seq in reversed(seqs):
-            s.block_manager.free(seq)
-            seq.num_computed_tokens, seq.is_prefill = 0, True
-            seq.group_id = seq.seq_id
-            seq.status = SequenceStatus.WAITING
-            s.waiting.appendleft(seq)
-        out.preempted.extend(seqs)
-
-    return victims, preempt
 
 
 def test_part2_when_blocks_run_out_the_newest_unhandled_sequence_is_preempted(monkeypatch):

@@ -6,32 +6,24 @@ of ``(x - min) / scale`` and ``code * scale + min`` rounds too, by a few units i
 of the largest magnitude involved.
 """
 
-import os
-
-import torch
-
-# Part 3.8's kernels run under the Triton interpreter on a machine without a CUDA GPU. Triton
-# reads TRITON_INTERPRET when it is imported and when a kernel is defined, so it is set here,
-# before anything imports Triton (the graded tests run without a conftest).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import re
 import subprocess
 import sys
 
+import kernel_device  # noqa: F401 (first: Triton must not be imported before it)
 import pytest
+import torch
 import triton
 import triton.language as tl
 from grading_policy import policy_test
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis_settings import graded_settings
+from kernel_device import DEVICE, launched
 
 # The torch functions the assertions compare with, bound before vkv.engine is imported: a
 # solution region that replaced torch.equal (or allclose, isnan) later would not change them.
 from torch import allclose, equal, isnan
-from triton.runtime.errors import InterpreterError
 
 from vkv.engine.cache_engine import QuantizedCache
 from vkv.engine.key_residual import KeyPlan, KeyResidual, partial_blocks
@@ -1195,7 +1187,6 @@ def test_part7_partial_blocks_are_the_blocks_of_each_sequences_partial_tail():
 # IEEE precision, on a GPU too: one bound, 1e-4, for both); single tiles go through a small
 # kernel of the tests' own.
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILE_D = 16  # the kernels' BLOCK_D for HEAD_DIM 4: channels 4..15 are padding
 
 
@@ -1204,18 +1195,6 @@ def on_device(cache: QuantizedCache) -> QuantizedCache:
     return QuantizedCache(
         cache.codes.to(DEVICE), cache.scale.to(DEVICE), cache.zero.to(DEVICE), cache.bits, *moved
     )
-
-
-def launched(kernel, *args, **kwargs):
-    """``kernel(*args, **kwargs)``; an exception raised in your Triton code comes out as itself
-    (the interpreter wraps it in one ``InterpreterError`` per nested call)."""
-    try:
-        return kernel(*args, **kwargs)
-    except InterpreterError as wrapped:
-        error = wrapped
-        while isinstance(error, InterpreterError) and error.__cause__ is not None:
-            error = error.__cause__
-        raise error from None
 
 
 def triton_decode(query, k_cache, v_cache, tables, lengths, scale):

@@ -20,6 +20,19 @@ from grading_policy import policy_test
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from hypothesis_settings import graded_settings, run_counted_machine
+from radix_trees import (
+    Cache,
+    chain_hashes,
+    check_structure,
+    colliding_hash,
+    grow,
+    insert,
+    match,
+    new_cache,
+    reference_hash,
+    seed_prefix,
+    serve_one_at_a_time,
+)
 
 from vkv.engine.block import Device, NoFreeBlocksError
 from vkv.engine.block_manager import AllocStatus, BlockManager
@@ -28,58 +41,22 @@ from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode, block_hash
 from vkv.engine.sequence import Sequence, SequenceStatus
 
 
-def reference_hash(parent: int | None, tokens) -> int:
-    """An independent chained hash for the tests (Python's tuple hash, made non-negative)."""
-    return hash((parent, tuple(tokens))) & (2**63 - 1)
-
-
-def colliding_hash(parent: int | None, tokens) -> int:
-    """Every block hashes alike: only the token comparison tells blocks apart."""
-    return 7
-
-
-class Cache(RadixCache):
-    """Your RadixCache, carrying the tests' own chained hash: the tree never hashes, so the
-    tests hash each prompt's blocks (as a sequence does) and pass the list to the tree."""
-
-    def __init__(self, block_size: int, hash_function=reference_hash) -> None:
-        super().__init__(block_size)
-        self.hash_function = hash_function
-
-    def hashes(self, token_ids) -> list[int]:
-        """The chained hash of every whole block of ``token_ids``."""
-        hashes, last, size = [], None, self.block_size
-        for i in range(len(token_ids) // size):
-            last = self.hash_function(last, list(token_ids[i * size : (i + 1) * size]))
-            hashes.append(last)
-        return hashes
-
-
-def match(cache: Cache, token_ids) -> MatchResult:
-    """``match_prefix`` with the prompt's block hashes."""
-    return cache.match_prefix(token_ids, cache.hashes(token_ids))
-
-
-def insert(cache: Cache, token_ids, blocks) -> int:
-    """``insert`` with the blocks' hashes."""
-    return cache.insert(token_ids, blocks, cache.hashes(token_ids))
-
-
-def new_cache(block_size: int = 2, hash_function=reference_hash) -> Cache:
-    return Cache(block_size, hash_function)
-
-
-def grow(cache: RadixCache, parent: TreeNode, tokens: list[int], blocks: list[int]) -> TreeNode:
-    """A node under ``parent`` holding ``tokens`` in ``blocks``, made by hand: hashes chained
-    from ``parent``, blocks counted as evictable."""
-    hashes, last = [], parent.last_hash
-    size = cache.block_size
-    for i in range(len(blocks)):
-        last = cache.hash_function(last, tokens[i * size : (i + 1) * size])
-        hashes.append(last)
-    node = cache._new_node(parent, list(tokens), list(blocks), hashes)
-    cache.evictable_size += len(blocks)
-    return node
+def check_tree(cache: RadixCache) -> None:
+    """The module docstring's invariants, each with a message naming the rule: the structure
+    (``check_structure``), then the locks and the stamps."""
+    check_structure(cache)
+    stack = [(cache.root, child) for child in cache.root.children.values()]
+    while stack:
+        parent, node = stack.pop()
+        assert node.lock_ref >= 0, f"node {node.key} has lock_ref {node.lock_ref}"
+        if node.lock_ref and parent is not cache.root:
+            assert parent.lock_ref >= node.lock_ref, (
+                "a locked node's parent is locked at least as often"
+            )
+        assert parent is cache.root or parent.last_access >= node.last_access, (
+            "a parent is never older than its children"
+        )
+        stack.extend((node, child) for child in node.children.values())
 
 
 def assert_sizes(cache: RadixCache, evictable: int, protected: int, rule: str) -> None:
@@ -120,47 +97,6 @@ def paths(cache: RadixCache) -> dict[tuple[int, ...], int]:
 
     walk(cache.root, ())
     return found
-
-
-def check_tree(cache: RadixCache) -> None:
-    """The module docstring's invariants, each with a message naming the rule."""
-    size, seen, total, protected = cache.block_size, set(), 0, 0
-    stack = [(cache.root, child) for child in cache.root.children.values()]
-    while stack:
-        parent, node = stack.pop()
-        assert node.parent is parent, f"node {node.key}: its parent link is wrong"
-        assert parent.children.get(node.hashes[0]) is node, (
-            f"node {node.key} must sit in its parent's children under the hash of its first block"
-        )
-        assert len(node.blocks) >= 1 and len(node.key) == size * len(node.blocks), (
-            f"node {node.key}: {len(node.blocks)} blocks for {len(node.key)} tokens"
-        )
-        expected, last = [], parent.last_hash
-        for i in range(len(node.blocks)):
-            last = cache.hash_function(last, node.key[i * size : (i + 1) * size])
-            expected.append(last)
-        assert node.hashes == expected, f"node {node.key}: hashes must chain from the parent's"
-        assert not seen & set(node.blocks), (
-            f"blocks {seen & set(node.blocks)} are in the tree twice"
-        )
-        seen |= set(node.blocks)
-        total += len(node.blocks)
-        protected += len(node.blocks) if node.lock_ref else 0
-        assert node.lock_ref >= 0, f"node {node.key} has lock_ref {node.lock_ref}"
-        if node.lock_ref and parent is not cache.root:
-            assert parent.lock_ref >= node.lock_ref, (
-                "a locked node's parent is locked at least as often"
-            )
-        assert parent is cache.root or parent.last_access >= node.last_access, (
-            "a parent is never older than its children"
-        )
-        stack.extend((node, child) for child in node.children.values())
-    assert cache.protected_size == protected, (
-        f"protected_size is {cache.protected_size}, but locked nodes hold {protected} blocks"
-    )
-    assert cache.evictable_size == total - protected, (
-        f"evictable_size is {cache.evictable_size}, but unlocked nodes hold {total - protected}"
-    )
 
 
 # ---- Part 4.1: the chained block hash -----------------------------------------------------
@@ -1007,29 +943,6 @@ def prompt(n: int, start: int = 100) -> list[int]:
     return list(range(start, start + n))
 
 
-def chain_hashes(tokens: list[int], hash_function=reference_hash) -> list[int]:
-    """The chained hash of every whole block of ``tokens`` (the tests' own, not part 4.1's)."""
-    hashes, last = [], None
-    for i in range(len(tokens) // BS):
-        last = hash_function(last, tokens[i * BS : (i + 1) * BS])
-        hashes.append(last)
-    return hashes
-
-
-def seed_cache(m: PrefixCachingBlockManager, tokens: list[int]) -> list[int]:
-    """Put the whole blocks of ``tokens`` in the tree as cached free blocks (in the Evictor),
-    by hand: the tree's parts and Phase 1 only. Returns the tree's blocks for them."""
-    hashes, allocator = chain_hashes(tokens, m.hash_function), m.gpu_allocator
-    ids = [allocator.allocate().block_id for _ in hashes]
-    cached = m.tree.insert(tokens[: len(ids) * BS], ids, hashes)
-    for index, block_id in enumerate(ids):
-        block = allocator.blocks[block_id]
-        if index >= cached:
-            block.content_hash, block.num_hashed_tokens = hashes[index], (index + 1) * BS
-        allocator.free(block)
-    return m.tree.match_prefix([*tokens[: len(ids) * BS], 0], hashes).blocks
-
-
 def placed(m: PrefixCachingBlockManager, seq_id: int, tokens: list[int]) -> Sequence:
     """A sequence given new blocks and recorded as ``allocate`` records a miss (Phase 1's
     ``allocate``, then the records of the class docstring): part 4.7 does not run."""
@@ -1138,7 +1051,7 @@ def test_part5_a_computed_prefill_caches_its_full_blocks_with_their_hashes():
     a = placed(m, 0, prompt(10))
     a.num_computed_tokens = 10
     m._merge(a)
-    hashes = chain_hashes(prompt(10))
+    hashes = chain_hashes(prompt(10), BS)
     assert set(tree_blocks(m)) == set(a.block_table[:2]), (
         f"the two full computed blocks {a.block_table[:2]} enter the tree, the partial third "
         f"does not; the tree holds {sorted(tree_blocks(m))}"
@@ -1308,7 +1221,7 @@ def test_part5_a_block_shared_with_a_fork_is_not_offered_to_the_tree():
 
 def test_part5_cache_returns_the_trees_path_for_the_computed_blocks():
     m = new_manager()
-    ids = seed_cache(m, prompt(8))
+    ids = seed_prefix(m, prompt(8))
     a = placed(m, 0, prompt(10))
     a.num_computed_tokens = 10
     result = m._cache(a)
@@ -1331,13 +1244,13 @@ def test_part5_each_block_is_hashed_once_per_sequence():
         f"3 blocks filled, so 3 hashes; got {len(calls)}: a block is hashed once, when it "
         "fills, and its hash kept in seq.block_hashes (the tree never hashes)"
     )
-    assert a.block_hashes == chain_hashes(prompt(12))
+    assert a.block_hashes == chain_hashes(prompt(12), BS)
 
 
 def test_part5_a_hash_collision_is_not_a_duplicate():
     m = new_manager()
     m.hash_function = colliding_hash
-    seed_cache(m, prompt(8, 200))
+    seed_prefix(m, prompt(8, 200))
     a = placed(m, 0, prompt(9, 100))
     own = list(a.block_table)
     prefilled(a)
@@ -1354,7 +1267,7 @@ def test_part5_a_hash_collision_is_not_a_duplicate():
 
 def test_part6_no_eviction_while_the_free_list_holds_enough():
     m = new_manager(num_gpu_blocks=8)
-    seed_cache(m, prompt(8))
+    seed_prefix(m, prompt(8))
     m._make_room(6)
     assert m.tree.total_size == 2 and len(m.gpu_allocator.evictor) == 2, (
         "6 uncached free blocks are asked for and 6 are free: nothing is evicted"
@@ -1363,7 +1276,7 @@ def test_part6_no_eviction_while_the_free_list_holds_enough():
 
 def test_part6_it_evicts_the_least_recently_used_prefix_for_what_is_missing():
     m = new_manager(num_gpu_blocks=6)
-    old, new = seed_cache(m, prompt(8, 100)), seed_cache(m, prompt(8, 200))
+    old, new = seed_prefix(m, prompt(8, 100)), seed_prefix(m, prompt(8, 200))
     m._make_room(3)
     assert set(tree_blocks(m)) == set(new), (
         f"one block is missing: the least recently used leaf ({old}) goes, whole; the tree "
@@ -1374,8 +1287,8 @@ def test_part6_it_evicts_the_least_recently_used_prefix_for_what_is_missing():
 
 def test_part6_an_evicted_block_loses_its_content_and_goes_to_the_free_list():
     m = new_manager(num_gpu_blocks=6)
-    old = seed_cache(m, prompt(8, 100))
-    seed_cache(m, prompt(8, 200))
+    old = seed_prefix(m, prompt(8, 100))
+    seed_prefix(m, prompt(8, 200))
     m._make_room(3)
     for block_id in old:
         block = m.gpu_allocator.blocks[block_id]
@@ -1389,7 +1302,7 @@ def test_part6_an_evicted_block_loses_its_content_and_goes_to_the_free_list():
 def test_part6_it_evicts_no_more_than_is_missing():
     m = new_manager(num_gpu_blocks=7)
     for start in (100, 200, 300):
-        seed_cache(m, prompt(8, start))
+        seed_prefix(m, prompt(8, start))
     m._make_room(3)
     assert m.tree.total_size == 4, (
         f"one free block, three asked for: two are missing, one leaf of two goes; the tree "
@@ -1399,9 +1312,9 @@ def test_part6_it_evicts_no_more_than_is_missing():
 
 def test_part6_a_locked_path_is_never_evicted():
     m = new_manager(num_gpu_blocks=6)
-    held = seed_cache(m, prompt(8, 100))
-    other = seed_cache(m, prompt(8, 200))
-    node = m.tree.match_prefix([*prompt(8, 100), 0], chain_hashes(prompt(8, 100))).node
+    held = seed_prefix(m, prompt(8, 100))
+    other = seed_prefix(m, prompt(8, 200))
+    node = m.tree.match_prefix([*prompt(8, 100), 0], chain_hashes(prompt(8, 100), BS)).node
     for block_id in held:
         m.gpu_allocator.reuse(block_id)  # a sequence holds them, as allocate does
     m.tree.lock(node)
@@ -1414,8 +1327,8 @@ def test_part6_a_locked_path_is_never_evicted():
 
 def test_part6_asking_for_more_than_exists_evicts_everything_evictable():
     m = new_manager(num_gpu_blocks=6)
-    seed_cache(m, prompt(8, 100))
-    seed_cache(m, prompt(8, 200))
+    seed_prefix(m, prompt(8, 100))
+    seed_prefix(m, prompt(8, 200))
     m._make_room(100)
     assert m.tree.total_size == 0 and len(m.gpu_allocator.evictor) == 0, (
         "more asked for than the pool holds: every evictable block goes, and no error"
@@ -1424,8 +1337,8 @@ def test_part6_asking_for_more_than_exists_evicts_everything_evictable():
 
 def test_part6_the_allocator_never_picks_a_victim_of_its_own():
     m = new_manager(num_gpu_blocks=6)
-    seed_cache(m, prompt(8, 100))
-    new = seed_cache(m, prompt(8, 200))
+    seed_prefix(m, prompt(8, 100))
+    new = seed_prefix(m, prompt(8, 200))
     m._make_room(4)
     taken = [m.gpu_allocator.allocate().block_id for _ in range(4)]
     assert set(tree_blocks(m)) == set(new) and not set(taken) & set(new), (
@@ -1440,7 +1353,7 @@ def test_part6_the_allocator_never_picks_a_victim_of_its_own():
 
 def test_part7_a_hit_reuses_the_cached_blocks_and_counts_them_computed():
     m = new_manager()
-    ids = seed_cache(m, prompt(10))
+    ids = seed_prefix(m, prompt(10))
     b = Sequence(1, [*prompt(10), 1, 2, 3], BS)
     m.allocate(b)
     assert b.block_table[:2] == ids, (
@@ -1455,7 +1368,7 @@ def test_part7_a_hit_reuses_the_cached_blocks_and_counts_them_computed():
 
 def test_part7_a_hit_never_covers_the_last_prompt_tokens_block():
     m = new_manager()
-    seed_cache(m, prompt(8))
+    seed_prefix(m, prompt(8))
     same = Sequence(1, prompt(8), BS)
     m.allocate(same)
     assert same.num_computed_tokens == 4, (
@@ -1466,7 +1379,7 @@ def test_part7_a_hit_never_covers_the_last_prompt_tokens_block():
 
 def test_part7_num_cached_tokens_tells_the_hit_and_takes_nothing():
     m = new_manager()
-    seed_cache(m, prompt(10))
+    seed_prefix(m, prompt(10))
     b = Sequence(1, [*prompt(10), 1], BS)
     before = manager_snapshot(m)
     assert m.num_cached_tokens(b) == 8, "two cached blocks: 8 tokens"
@@ -1476,7 +1389,7 @@ def test_part7_num_cached_tokens_tells_the_hit_and_takes_nothing():
 
 def test_part7_allocate_locks_the_cached_path():
     m = new_manager()
-    ids = seed_cache(m, prompt(10))
+    ids = seed_prefix(m, prompt(10))
     b = allocated(m, 1, [*prompt(10), 1])
     node = m._locked[1]
     assert node.blocks[-1] == ids[-1] and node.lock_ref == 1, (
@@ -1491,7 +1404,7 @@ def test_part7_allocate_locks_the_cached_path():
 
 def test_part7_a_miss_locks_nothing_and_takes_new_blocks():
     m = new_manager()
-    seed_cache(m, prompt(8, 200))
+    seed_prefix(m, prompt(8, 200))
     b = allocated(m, 1, prompt(9, 100))
     assert b.num_computed_tokens == 0 and m._locked[1] is m.tree.root, (
         "a miss: nothing computed, the root recorded as its path's end"
@@ -1502,7 +1415,7 @@ def test_part7_a_miss_locks_nothing_and_takes_new_blocks():
 
 def test_part7_cached_blocks_in_use_cost_no_free_block_at_admission():
     m = new_manager(num_gpu_blocks=5)
-    seed_cache(m, prompt(12))
+    seed_prefix(m, prompt(12))
     a = allocated(m, 0, [*prompt(12), 5])  # 3 cached blocks + 1 new: one block left free
     b = Sequence(1, [*prompt(12), 6], BS)
     assert m.can_allocate(b) is AllocStatus.OK, (
@@ -1515,7 +1428,7 @@ def test_part7_cached_blocks_in_use_cost_no_free_block_at_admission():
 
 def test_part7_cached_blocks_in_the_evictor_still_cost_a_free_block():
     m = new_manager(num_gpu_blocks=4)
-    seed_cache(m, prompt(12))
+    seed_prefix(m, prompt(12))
     placed(m, 0, prompt(3, 500))  # one block in use elsewhere: 3 free, all cached
     b = Sequence(1, [*prompt(12), 6], BS)
     assert m.can_allocate(b) is AllocStatus.LATER, (
@@ -1526,7 +1439,7 @@ def test_part7_cached_blocks_in_the_evictor_still_cost_a_free_block():
 
 def test_part7_never_still_compares_the_whole_prompt_with_the_pool():
     m = new_manager(num_gpu_blocks=3)
-    seed_cache(m, prompt(12))
+    seed_prefix(m, prompt(12))
     assert m.can_allocate(Sequence(1, prompt(13), BS)) is AllocStatus.NEVER, (
         "4 blocks never fit a pool of 3, cached or not"
     )
@@ -1534,7 +1447,7 @@ def test_part7_never_still_compares_the_whole_prompt_with_the_pool():
 
 def test_part7_never_holds_even_when_cached_blocks_in_use_lower_the_need():
     m = new_manager(num_gpu_blocks=4)
-    seed_cache(m, prompt(12))
+    seed_prefix(m, prompt(12))
     allocated(m, 0, [*prompt(12), 5])  # holds the 3 cached blocks
     longer = Sequence(1, [*prompt(16), 1], BS)  # 5 blocks, 3 of them cached and in use
     assert m.can_allocate(longer) is AllocStatus.NEVER, (
@@ -1545,7 +1458,7 @@ def test_part7_never_holds_even_when_cached_blocks_in_use_lower_the_need():
 
 def test_part7_a_refused_allocate_changes_nothing():
     m = new_manager(num_gpu_blocks=3)
-    seed_cache(m, prompt(9))
+    seed_prefix(m, prompt(9))
     seq = Sequence(1, prompt(20), BS)
     before = manager_snapshot(m)
     with pytest.raises(NoFreeBlocksError, match=r"^sequence 1 needs 5 GPU blocks, 3 are free$"):
@@ -1556,7 +1469,7 @@ def test_part7_a_refused_allocate_changes_nothing():
 
 def test_part7_phase1s_errors_come_first():
     m = new_manager()
-    seed_cache(m, prompt(12))
+    seed_prefix(m, prompt(12))
     seq = allocated(m, 1, prompt(5))
     before = (manager_snapshot(m), m.tree._clock)
     with pytest.raises(ValueError, match="has its blocks on the gpu; this operation needs no"):
@@ -1570,7 +1483,7 @@ def test_part7_phase1s_errors_come_first():
 
 def test_part7_the_hit_stats_count_a_first_admission():
     m = new_manager()
-    seed_cache(m, prompt(10))
+    seed_prefix(m, prompt(10))
     allocated(m, 1, [*prompt(10), 1, 2, 3])
     allocated(m, 2, prompt(5, 300))
     assert (m.num_query_tokens, m.num_hit_tokens) == (13 + 5, 8), (
@@ -1581,7 +1494,7 @@ def test_part7_the_hit_stats_count_a_first_admission():
 
 def test_part7_a_readmission_is_not_counted_again():
     m = new_manager()
-    seed_cache(m, prompt(10))
+    seed_prefix(m, prompt(10))
     seq = allocated(m, 1, prompt(10))
     m._release(seq)  # preempted by recompute: its blocks go back (Phase 1's free)
     BlockManager.free(m, seq)
@@ -1604,8 +1517,8 @@ def test_part7_a_prompt_admitted_a_step_after_another_reuses_its_computed_blocks
 
 def test_part7_allocate_evicts_through_the_tree_when_blocks_are_needed():
     m = new_manager(num_gpu_blocks=6)
-    seed_cache(m, prompt(8, 100))
-    seed_cache(m, prompt(8, 200))
+    seed_prefix(m, prompt(8, 100))
+    seed_prefix(m, prompt(8, 200))
     seq = allocated(m, 2, prompt(16, 300))  # 4 blocks: 2 free + 2 evicted
     assert m.num_cached_tokens(Sequence(3, prompt(9, 100), BS)) == 0, "the older prefix went"
     assert m.num_cached_tokens(Sequence(4, prompt(9, 200), BS)) == 8, "the newer one stays"
@@ -1661,7 +1574,7 @@ def test_part8_free_hands_back_duplicates_uncached():
 
 def test_part8_free_unlocks_the_sequences_path():
     m = new_manager()
-    seed_cache(m, prompt(10))
+    seed_prefix(m, prompt(10))
     seq = allocated(m, 1, [*prompt(10), 1])
     finish(m, seq)
     assert m.tree.protected_size == 0 and all(n.lock_ref == 0 for n in m.tree._nodes()), (
@@ -1765,19 +1678,7 @@ def serve_through_the_manager(trace, block_size: int) -> list[int]:
     never evicts; the hits are what ``allocate`` reused."""
     m = PrefixCachingBlockManager(block_size, 4096, 0, watermark=0.0)
     m.hash_function = reference_hash
-    hits = []
-    for seq_id, (prompt_ids, output) in enumerate(trace):
-        seq = Sequence(seq_id, prompt_ids, block_size)
-        m.allocate(seq)
-        hits.append(seq.num_computed_tokens)
-        seq.num_computed_tokens = seq.num_tokens
-        for token in output:
-            seq.append_token(token)
-            BlockManager.append_slot(m, seq)  # Phase 1's: its blocks are cached when freed
-            seq.num_computed_tokens = seq.num_tokens - 1
-        seq.status = SequenceStatus.FINISHED_STOPPED
-        m.free(seq)
-    return hits
+    return serve_one_at_a_time(m, trace)
 
 
 def bench_traces() -> dict:
@@ -1853,8 +1754,8 @@ def test_part9_identical_prompts_admitted_together_share_from_their_first_decode
 
 def test_part9_the_first_decode_merges_before_it_makes_room():
     m = new_manager(num_gpu_blocks=6)
-    seed_cache(m, prompt(4, 300))
-    kept = seed_cache(m, prompt(4, 400))
+    seed_prefix(m, prompt(4, 300))
+    kept = seed_prefix(m, prompt(4, 400))
     a, b = allocated(m, 0, prompt(8)), allocated(m, 1, prompt(8))  # the free list is empty
     prefilled(a), prefilled(b)
     m.append_slot(a)  # a's 9th token needs a block: the older cached prefix goes
@@ -1868,7 +1769,7 @@ def test_part9_the_first_decode_merges_before_it_makes_room():
 
 def test_part9_a_new_block_is_made_room_for_through_the_tree():
     m = new_manager(num_gpu_blocks=5)
-    old, new = seed_cache(m, prompt(4, 200)), seed_cache(m, prompt(4, 300))
+    old, new = seed_prefix(m, prompt(4, 200)), seed_prefix(m, prompt(4, 300))
     a = prefilled(allocated(m, 0, prompt(12, 100)))  # 3 blocks: the free list is empty now
     m.append_slot(a)  # the token opens a block: only cached free blocks are left
     assert len(a.block_table) == 4
@@ -1882,7 +1783,7 @@ def test_part9_a_new_block_is_made_room_for_through_the_tree():
 
 def test_part9_a_copy_on_write_of_a_shared_last_block_makes_room_through_the_tree():
     m = new_manager(num_gpu_blocks=4)
-    seed_cache(m, prompt(4, 200))  # one cached free block
+    seed_prefix(m, prompt(4, 200))  # one cached free block
     parent = prefilled(allocated(m, 0, prompt(5, 100)))  # 2 blocks; 6 tokens
     child = Sequence(1, parent.token_ids, BS)
     m.fork(parent, child)
@@ -1936,7 +1837,7 @@ def test_part9_a_group_sharing_cached_blocks_with_another_is_not_swapped_alone()
 
 def test_part9_swap_in_makes_room_and_merges_back_at_the_next_decode():
     m = new_manager(num_gpu_blocks=6)
-    old = seed_cache(m, prompt(8, 300))
+    old = seed_prefix(m, prompt(8, 300))
     a = prefilled(allocated(m, 0, prompt(9)))
     m.append_slot(a)
     cached = a.block_table[:2]

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
+from scheduler_stand_ins import ids, small_scheduler, stand_in_preempt
 from test_seed import seeded
 
 from vkv.config import Config
@@ -35,24 +36,8 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def ids(seqs) -> list[int]:
-    return [seq.seq_id for seq in seqs]
-
-
 def planned(out: SchedulerOutput) -> list[tuple[int, int, bool]]:
     return [(item.seq.seq_id, item.num_tokens, item.is_prefill) for item in out.scheduled]
-
-
-def make_scheduler(**options) -> Scheduler:
-    base = {
-        "block_size": 4,
-        "num_gpu_blocks": 64,
-        "num_cpu_blocks": 0,
-        "watermark": 0.0,
-        "max_model_len": 64,
-        "max_num_seqs": 8,
-    }
-    return Scheduler(Config(**{**base, **options}))
 
 
 def new_seq(rng, s: Scheduler, seq_id: int, prompt_len: int, arrival: float, **params):
@@ -144,7 +129,7 @@ def draw_admission(
         "enable_chunked_prefill": chunked,
         "max_num_batched_tokens": budget,
     }
-    s = make_scheduler(**options)
+    s = small_scheduler(**options)
     if cached:
         s.block_manager = CachedPrefixManager(bs, gpu, 0, watermark)
         s.block_manager.cached = {}
@@ -279,7 +264,7 @@ def test_part1_admission_keeps_the_watermark_free(rng):
         bs, gpu = rng.randint(1, 8), rng.randint(20, 60)
         watermark = rng.choice([0.05, 0.1, 0.2, 0.3])
         mark = int(watermark * gpu)  # at least 1
-        s = make_scheduler(
+        s = small_scheduler(
             block_size=bs, num_gpu_blocks=gpu, watermark=watermark, max_model_len=bs * gpu
         )
         need = rng.randint(1, gpu - mark)  # fits an empty pool with the watermark: not NEVER
@@ -313,7 +298,7 @@ def test_part1_a_cached_prefix_is_neither_computed_nor_charged(rng):
 @seeded
 def test_part1_abort_finishes_a_sequence_in_any_queue_and_frees_its_blocks(rng):
     bs = rng.randint(1, 6)
-    s = make_scheduler(block_size=bs, num_gpu_blocks=400, max_num_seqs=rng.randint(2, 5))
+    s = small_scheduler(block_size=bs, num_gpu_blocks=400, max_num_seqs=rng.randint(2, 5))
     seqs = [new_seq(rng, s, 3 * i + 1, rng.randint(1, 5 * bs), float(i)) for i in range(8)]
     for seq in seqs:
         s.add(seq)
@@ -348,7 +333,7 @@ def test_part1_abort_finishes_a_sequence_in_any_queue_and_frees_its_blocks(rng):
 @seeded
 def test_part1_a_refused_add_or_abort_says_why_and_changes_nothing(rng):
     bs = rng.randint(1, 8)
-    s = make_scheduler(block_size=bs, max_num_seqs=2)
+    s = small_scheduler(block_size=bs, max_num_seqs=2)
     first, second, third = (
         new_seq(rng, s, rng.randrange(10**4) * 3 + i, rng.randint(1, 3 * bs), float(i))
         for i in range(3)
@@ -505,7 +490,7 @@ def plain_workload(rng, tight: bool, short: bool = False):
         "max_num_batched_tokens": budget,
         "eos_token_id": eos,
     }
-    s = make_scheduler(**config)
+    s = small_scheduler(**config)
     for r in reqs:
         seq = new_seq(
             rng, s, r.seq_id, r.tokens, r.arrival, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos
@@ -605,7 +590,7 @@ def test_part2_copies_on_write_of_a_step_go_into_blocks_to_copy(rng):
 def check_copies(rng, forced: bool) -> None:
     """Forked samples write their first tokens; ``forced``: 3 or more share a partly full block."""
     bs = rng.randint(2, 8)
-    s = make_scheduler(block_size=bs, num_gpu_blocks=200, max_num_seqs=12)
+    s = small_scheduler(block_size=bs, num_gpu_blocks=200, max_num_seqs=12)
     prompt = rng.randint(1, 5 * bs)
     if forced and prompt % bs == 0:
         prompt += 1
@@ -646,7 +631,7 @@ def test_part2_a_decode_takes_a_token_of_the_budget_and_no_place(rng):
         budget = rng.randint(4, 40)
         places = rng.randint(2, min(8, budget))
         decoders = rng.randint(1, places - 1)
-        s = make_scheduler(
+        s = small_scheduler(
             block_size=rng.randint(1, 8),
             num_gpu_blocks=2000,
             max_model_len=200,
@@ -678,7 +663,7 @@ def test_part2_a_decode_takes_a_token_of_the_budget_and_no_place(rng):
 
 @seeded
 def test_part2_a_chunk_short_of_the_end_yields_no_token_and_the_batch_goes_on(rng):
-    s = make_scheduler(
+    s = small_scheduler(
         block_size=rng.randint(1, 8),
         num_gpu_blocks=500,
         max_model_len=100,
@@ -717,23 +702,6 @@ def test_part2_a_chunk_short_of_the_end_yields_no_token_and_the_batch_goes_on(rn
             )
 
 
-def stand_in_preempt(s: Scheduler):
-    """A stand-in for part 2.3's ``_preempt`` (a plain recompute) that records its calls."""
-    calls: list[list[int]] = []
-
-    def preempt(seqs: list[Sequence], out: SchedulerOutput) -> None:
-        calls.append(ids(seqs))
-        for seq in reversed(seqs):
-            s.block_manager.free(seq)
-            seq.num_computed_tokens, seq.is_prefill = 0, True
-            seq.group_id = seq.seq_id
-            seq.status = SequenceStatus.WAITING
-            s.waiting.appendleft(seq)
-        out.preempted.extend(seqs)
-
-    return calls, preempt
-
-
 def full_pool(rng, mode: str = "recompute", cpu: int = 0, count: int | None = None):
     """Sequences admitted in one prefill step whose blocks fill the pool exactly; the oldest
     needs a block at its next decode. Returns the scheduler and the sequences by arrival."""
@@ -742,7 +710,7 @@ def full_pool(rng, mode: str = "recompute", cpu: int = 0, count: int | None = No
     arrivals = sorted(rng.sample(range(1, 1000), count))
     lengths = [bs * rng.randint(1, 4)] + [rng.randint(1, 5 * bs) for _ in range(count - 1)]
     blocks = sum(ceil_div(n, bs) for n in lengths)
-    s = make_scheduler(
+    s = small_scheduler(
         block_size=bs,
         num_gpu_blocks=blocks,
         num_cpu_blocks=cpu,
@@ -816,7 +784,7 @@ def test_part2_the_newest_group_of_samples_is_preempted_together(rng, monkeypatc
         singles = rng.randint(1, 4)
         lengths = [bs * rng.randint(1, 3)] + [rng.randint(1, 4 * bs) for _ in range(singles - 1)]
         group_len, n = rng.randint(1, 4 * bs), rng.randint(2, 4)
-        s = make_scheduler(
+        s = small_scheduler(
             block_size=bs,
             num_gpu_blocks=sum(ceil_div(q, bs) for q in lengths) + ceil_div(group_len, bs),
             max_num_seqs=12,
@@ -847,7 +815,7 @@ def test_part2_the_newest_group_of_samples_is_preempted_together(rng, monkeypatc
 @seeded
 def test_part2_running_prefills_go_to_the_chunk_pass_after_the_decodes(rng, monkeypatch):
     bs = rng.randint(1, 6)
-    s = make_scheduler(
+    s = small_scheduler(
         block_size=bs,
         num_gpu_blocks=300,
         enable_chunked_prefill=True,
@@ -895,7 +863,7 @@ def test_part2_running_prefills_go_to_the_chunk_pass_after_the_decodes(rng, monk
 
 @seeded
 def test_part2_postprocess_refuses_a_token_count_mismatch_and_skips_the_aborted(rng):
-    s = make_scheduler(block_size=rng.randint(1, 8), num_gpu_blocks=200)
+    s = small_scheduler(block_size=rng.randint(1, 8), num_gpu_blocks=200)
     seqs = [new_seq(rng, s, 4 * k + 1, rng.randint(1, 20), float(k)) for k in range(5)]
     for seq in seqs:
         s.add(seq)
@@ -932,7 +900,7 @@ def test_part2_postprocess_refuses_a_token_count_mismatch_and_skips_the_aborted(
 def test_part2_append_slot_says_false_only_for_a_missing_block(rng):
     bs = rng.randint(1, 6)
     lengths = [bs * rng.randint(1, 3), rng.randint(1, 3 * bs)]
-    s = make_scheduler(block_size=bs, num_gpu_blocks=sum(ceil_div(q, bs) for q in lengths))
+    s = small_scheduler(block_size=bs, num_gpu_blocks=sum(ceil_div(q, bs) for q in lengths))
     full, other = (new_seq(rng, s, k + 1, q, float(k)) for k, q in enumerate(lengths))
     for seq in (full, other):
         s.add(seq)
@@ -1033,7 +1001,7 @@ def pressure_workload(rng, mode: str, certain: bool = False):
         "max_num_seqs": rng.randint(2, 6),
         "preemption_mode": mode,
     }
-    s = make_scheduler(**options)
+    s = small_scheduler(**options)
     seqs = []
     for k in range(count):
         seq = new_seq(rng, s, k, prompts[k], float(k), max_tokens=outputs[k], ignore_eos=True)
@@ -1069,7 +1037,7 @@ def group_case(rng, mode: str, cpu: int = 0, roomy: bool = False):
     n = rng.randint(2, 4)
     old_len = bs * (rng.randint(n, n + 2) if roomy else rng.randint(1, 3))
     group_len = rng.randint(1, 4 * bs)
-    s = make_scheduler(
+    s = small_scheduler(
         block_size=bs,
         num_gpu_blocks=old_len // bs + ceil_div(group_len, bs),
         num_cpu_blocks=cpu,
@@ -1127,7 +1095,7 @@ def test_part3_a_group_is_recomputed_together_and_leaves_its_group(rng, monkeypa
 def test_part3_a_sequence_that_outgrew_the_pool_is_ignored_and_the_next_runs(rng):
     bs = rng.randint(1, 6)
     gpu = rng.randint(2, 8)
-    s = make_scheduler(
+    s = small_scheduler(
         block_size=bs, num_gpu_blocks=gpu, max_model_len=500, preemption_mode="recompute"
     )
     big = new_seq(rng, s, 3, gpu * bs, 1.0, max_tokens=100, ignore_eos=True)
@@ -1266,7 +1234,7 @@ def test_part4_no_cpu_room_falls_back_to_recompute(rng):
 def test_part4_a_swapped_sequence_that_can_never_come_back_is_ignored(rng):
     bs = rng.randint(1, 6)
     gpu = rng.randint(2, 8)
-    s = make_scheduler(
+    s = small_scheduler(
         block_size=bs,
         num_gpu_blocks=gpu,
         num_cpu_blocks=gpu + 4,
@@ -1295,7 +1263,7 @@ def test_part4_a_swapped_sequence_that_can_never_come_back_is_ignored(rng):
 def test_part4_swapped_sequences_come_back_within_the_sequence_places(rng):
     for _ in range(6):
         bs = rng.randint(1, 6)
-        s = make_scheduler(
+        s = small_scheduler(
             block_size=bs, num_gpu_blocks=400, num_cpu_blocks=400, preemption_mode="swap"
         )
         seqs = [
@@ -1328,7 +1296,7 @@ def test_part4_a_prefill_swapped_out_midway_comes_back_as_its_next_chunk(rng):
         first = bs * rng.randint(2 if bs == 1 else 1, 4) - 1  # its second decode opens a block
         budget = rng.randint(max(2, first), first + 20)
         long = rng.randint(budget, 4 * budget)  # admitted with a cut chunk of budget - 1
-        s = make_scheduler(
+        s = small_scheduler(
             block_size=bs,
             num_gpu_blocks=ceil_div(first + 1, bs) + ceil_div(long, bs),
             num_cpu_blocks=ceil_div(long, bs) + 2,
@@ -1396,7 +1364,7 @@ def test_part4_a_group_of_samples_is_swapped_out_and_back_together(rng):
 def test_part4_a_swap_in_charges_a_token_per_decode_and_stops_at_the_budget(rng, monkeypatch):
     for _ in range(4):
         bs, budget = rng.randint(1, 6), rng.randint(4, 30)
-        s = make_scheduler(
+        s = small_scheduler(
             block_size=bs,
             num_gpu_blocks=600,
             num_cpu_blocks=600,
@@ -1483,7 +1451,7 @@ def test_part4_a_swapped_group_comes_back_whole_or_is_ignored_whole(rng):
 def test_part5_a_long_prompt_is_prefilled_in_chunks_of_the_budget(rng):
     budget = rng.randint(2, 40)
     length = rng.choice([rng.randint(budget + 1, 6 * budget), budget * rng.randint(1, 5) + 1])
-    s = make_scheduler(
+    s = small_scheduler(
         block_size=rng.randint(1, 8),
         num_gpu_blocks=400,
         max_model_len=length + 10,
@@ -1514,7 +1482,7 @@ def test_part5_decodes_go_first_and_the_prompt_takes_what_is_left(rng):
     budget = rng.randint(6, 40)
     decoders = rng.randint(1, min(5, budget - 2))
     length = rng.randint(budget, 5 * budget)
-    s = make_scheduler(
+    s = small_scheduler(
         block_size=rng.randint(1, 8),
         num_gpu_blocks=3000,
         max_model_len=length + 500,
@@ -1553,7 +1521,7 @@ def test_part5_prefill_chunks_go_oldest_first_and_stop_when_the_budget_is_spent(
 def check_prefill_chunks(rng, runs_out: bool) -> None:
     """Running prefills made by hand; ``runs_out``: the budget ends before the last one."""
     bs = rng.randint(1, 6)
-    s = make_scheduler(
+    s = small_scheduler(
         block_size=bs, num_gpu_blocks=400, enable_chunked_prefill=True, max_num_batched_tokens=64
     )
     seqs = []
@@ -1604,7 +1572,7 @@ def test_part5_every_step_fills_the_token_budget_while_there_is_work(rng):
         budget = rng.randint(4, 48)
         count = rng.randint(2, min(10, budget))
         mml = rng.randint(budget + 1, budget + 80)
-        s = make_scheduler(
+        s = small_scheduler(
             block_size=rng.randint(1, 8),
             num_gpu_blocks=3000,
             max_model_len=mml,
@@ -1662,7 +1630,7 @@ def test_part5_chunked_and_unchunked_runs_generate_the_same_tokens(rng):
         }
         if chunk:
             options |= {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk}
-        s = make_scheduler(**options)
+        s = small_scheduler(**options)
         seqs = []
         for k, (prompt, out_len) in enumerate(requests):
             seq = Sequence(

@@ -12,23 +12,16 @@ imported (the third-party imports come first): a solution region that replaced
 ``torch.equal`` or ``torch.allclose`` later would not change what these tests compare with.
 """
 
-import os
-
-import torch
-
-# Part 3.8's kernels run under the Triton interpreter without a CUDA GPU; Triton reads the
-# variable when it is imported, so it is set before anything imports it.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import math
 
+import kernel_device  # noqa: F401 (first: Triton must not be imported before it)
 import pytest
+import torch
 import triton
 import triton.language as tl
+from kernel_device import DEVICE, launched
 from test_seed import seeded
 from torch import allclose, equal, isnan
-from triton.runtime.errors import InterpreterError
 
 from vkv.engine.cache_engine import QuantizedCache
 from vkv.engine.key_residual import KeyResidual, partial_blocks
@@ -40,13 +33,8 @@ from vkv.engine.quantizer import (
     pack_int4,
     unpack_int4,
 )
+from vkv.kernels import quantized as quantized_kernels
 from vkv.kernels import triton_attention
-from vkv.kernels.quantized import (
-    dequantize_blocks,
-    quantized_decode_attention,
-    quantized_prefill_attention,
-    store_quantized,
-)
 from vkv.kernels.triton_quantized import load_dequantized
 
 EPS = 1e-6  # the float32 allowance of the visible tests: EPS * max|x| on top of scale / 2
@@ -563,7 +551,7 @@ def test_part5_every_token_of_a_step_reads_back_within_half_a_step(rng):
         key = torch.randn(*shape, generator=g) * 10 ** rng.uniform(-2, 2)
         value = torch.randn(*shape, generator=g) + rng.uniform(-5, 5)
         k_cache, v_cache = new_cache(layout), new_cache(layout)
-        store_quantized(key, value, k_cache, v_cache, torch.tensor(slots))
+        quantized_kernels.store_quantized(key, value, k_cache, v_cache, torch.tensor(slots))
         stored = {slot for slot in slots if slot >= 0}
         for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
             assert touched(cache) <= stored, (
@@ -604,7 +592,7 @@ def test_part5_a_non_finite_token_anywhere_writes_nothing(rng):
         bad[where] = rng.choice([float("nan"), float("inf"), -float("inf")])
         k_cache, v_cache = new_cache(layout), new_cache(layout)
         with pytest.raises(ValueError, match=r"^cannot quantize NaN or infinite values"):
-            store_quantized(key, value, k_cache, v_cache, torch.arange(tokens))
+            quantized_kernels.store_quantized(key, value, k_cache, v_cache, torch.arange(tokens))
         assert not touched(k_cache) and not touched(v_cache), (
             f"a NaN or infinity at {where} of the {'keys' if bad is key else 'values'}: the step "
             "is refused before anything is written, keys and values alike"
@@ -707,12 +695,22 @@ def assert_prefill_equals_dense(rng, prefill, rounds: int, what: str) -> None:
 
 @seeded
 def test_part6_decode_equals_dense_attention_on_drawn_tables(rng):
-    assert_decode_equals_dense(rng, quantized_decode_attention, 3, "quantized_decode_attention")
+    assert_decode_equals_dense(
+        rng,
+        quantized_kernels.quantized_decode_attention,
+        3,
+        "quantized_kernels.quantized_decode_attention",
+    )
 
 
 @seeded
 def test_part6_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
-    assert_prefill_equals_dense(rng, quantized_prefill_attention, 3, "quantized_prefill_attention")
+    assert_prefill_equals_dense(
+        rng,
+        quantized_kernels.quantized_prefill_attention,
+        3,
+        "quantized_kernels.quantized_prefill_attention",
+    )
 
 
 @seeded
@@ -730,7 +728,7 @@ def test_part6_dequantize_blocks_reads_codes_or_the_residual(rng):
     slots[partial[0]], slots[partial[1]] = rng.sample(range(3), 2)
     keys = QuantizedCache(base.codes, scale, zero, layout["bits"], residual, slots, None)
     blocks = [rng.randrange(b) for _ in range(rng.randint(1, 6))]
-    got = dequantize_blocks(keys, torch.tensor(blocks))
+    got = quantized_kernels.dequantize_blocks(keys, torch.tensor(blocks))
     codes = base.codes.long()
     if layout["bits"] == 4:
         codes = torch.stack((codes & 15, codes >> 4), -1).flatten(-2)
@@ -902,19 +900,6 @@ def test_part7_partial_blocks_of_drawn_sequences(rng):
 # ---- Part 3.8: the Triton kernels with the submitted load_dequantized --------------------------
 # On DEVICE, as the visible tests: CUDA where there is a GPU, else the CPU under the interpreter
 # (set at the top; Triton does one or the other a process). The other parts run on the CPU.
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def launched(kernel, *args, **kwargs):
-    """``kernel(*args, **kwargs)``; an exception of the submitted code comes out as itself."""
-    try:
-        return kernel(*args, **kwargs)
-    except InterpreterError as wrapped:
-        error = wrapped
-        while isinstance(error, InterpreterError) and error.__cause__ is not None:
-            error = error.__cause__
-        raise error from None
 
 
 def to_device(cache: QuantizedCache) -> QuantizedCache:

@@ -11,70 +11,15 @@ count of locks per node, and a plain scan for the oldest leaf.
 """
 
 import pytest
+import radix_trees
 import xxhash
+from radix_trees import Cache, check_structure, grow, insert, match, nodes
 from test_seed import seeded
 
 from vkv.engine.block_manager import AllocStatus, BlockManager
 from vkv.engine.prefix_caching import PrefixCachingBlockManager
 from vkv.engine.radix_cache import MatchResult, RadixCache, TreeNode, block_hash, hash_blocks
 from vkv.engine.sequence import Sequence, SequenceStatus
-
-
-def reference_hash(parent: int | None, tokens) -> int:
-    """An independent chained hash: Python's tuple hash of ints, made non-negative (-1 stands
-    for None, whose own hash changes from one process to the next on Python 3.11)."""
-    return hash((-1 if parent is None else parent, tuple(tokens))) & (2**63 - 1)
-
-
-def colliding_hash(parent: int | None, tokens) -> int:
-    """Every block hashes alike: only the token comparison tells blocks apart."""
-    return 7
-
-
-class Cache(RadixCache):
-    """Your RadixCache, carrying the tests' own chained hash: the tree never hashes, so the
-    tests hash each prompt's blocks (as a sequence does) and pass the list to the tree."""
-
-    def __init__(self, block_size: int, hash_function=reference_hash) -> None:
-        super().__init__(block_size)
-        self.hash_function = hash_function
-
-    def hashes(self, token_ids) -> list[int]:
-        """The chained hash of every whole block of ``token_ids``."""
-        hashes, last, size = [], None, self.block_size
-        for i in range(len(token_ids) // size):
-            last = self.hash_function(last, list(token_ids[i * size : (i + 1) * size]))
-            hashes.append(last)
-        return hashes
-
-
-def match(cache: Cache, token_ids) -> MatchResult:
-    """``match_prefix`` with the prompt's block hashes."""
-    return cache.match_prefix(token_ids, cache.hashes(token_ids))
-
-
-def insert(cache: Cache, token_ids, blocks) -> int:
-    """``insert`` with the blocks' hashes."""
-    return cache.insert(token_ids, blocks, cache.hashes(token_ids))
-
-
-def grow(cache: RadixCache, parent: TreeNode, tokens: list[int], blocks: list[int]) -> TreeNode:
-    """A node made by hand under ``parent``: hashes chained from it, blocks evictable."""
-    hashes, last, size = [], parent.last_hash, cache.block_size
-    for i in range(len(blocks)):
-        last = cache.hash_function(last, tokens[i * size : (i + 1) * size])
-        hashes.append(last)
-    cache.evictable_size += len(blocks)
-    return cache._new_node(parent, list(tokens), list(blocks), hashes)
-
-
-def nodes(cache: RadixCache) -> list[TreeNode]:
-    found, stack = [], list(cache.root.children.values())
-    while stack:
-        node = stack.pop()
-        found.append(node)
-        stack.extend(node.children.values())
-    return found
 
 
 def path_key(cache: RadixCache, node: TreeNode) -> list[int]:
@@ -109,37 +54,6 @@ def snapshot(cache: RadixCache) -> tuple:
                 node.last_access, children)  # fmt: skip
 
     return describe(cache.root), cache.evictable_size, cache.protected_size, cache._clock
-
-
-def check_tree(cache: RadixCache) -> None:
-    """The module docstring's structural invariants."""
-    size, seen, total, protected = cache.block_size, set(), 0, 0
-    stack = [(cache.root, child) for child in cache.root.children.values()]
-    while stack:
-        parent, node = stack.pop()
-        assert node.parent is parent, f"node {node.key}: its parent link is wrong"
-        assert parent.children.get(node.hashes[0]) is node, (
-            f"node {node.key} sits in its parent's children under the hash of its first block"
-        )
-        assert len(node.blocks) >= 1 and len(node.key) == size * len(node.blocks), (
-            f"node {node.key}: {len(node.blocks)} blocks for {len(node.key)} tokens"
-        )
-        expected, last = [], parent.last_hash
-        for i in range(len(node.blocks)):
-            last = cache.hash_function(last, node.key[i * size : (i + 1) * size])
-            expected.append(last)
-        assert node.hashes == expected, f"node {node.key}: hashes must chain from the parent's"
-        assert not seen & set(node.blocks), (
-            f"blocks {seen & set(node.blocks)} are in the tree twice"
-        )
-        seen |= set(node.blocks)
-        total += len(node.blocks)
-        protected += len(node.blocks) if node.lock_ref else 0
-        stack.extend((node, child) for child in node.children.values())
-    assert (cache.evictable_size, cache.protected_size) == (total - protected, protected), (
-        f"evictable_size + protected_size counts the tree's {total} blocks, {protected} of them "
-        f"in locked nodes: got {(cache.evictable_size, cache.protected_size)}"
-    )
 
 
 def random_tree(rng, cache: RadixCache, count: int, vocab: int = 6) -> list[TreeNode]:
@@ -236,7 +150,7 @@ def test_part1_parent_zero_is_a_parent_not_the_first_block(rng):
 @seeded
 def test_part2_split_gives_the_head_to_a_new_node_and_the_tail_keeps_the_rest(rng):
     for _ in range(10):
-        cache = Cache(rng.randint(1, 4), reference_hash)
+        cache = Cache(rng.randint(1, 4), radix_trees.reference_hash)
         made = random_tree(rng, cache, rng.randint(0, 6))
         parent = rng.choice([cache.root, *made])
         size = cache.block_size
@@ -276,14 +190,14 @@ def test_part2_split_gives_the_head_to_a_new_node_and_the_tail_keeps_the_rest(rn
             "the children stay with the tail"
         )
         assert (cache.evictable_size, cache.protected_size) == sizes
-        check_tree(cache)
+        check_structure(cache)
 
 
 @seeded
 def test_part2_the_head_copies_lock_ref_and_last_access(rng):
     for _ in range(10):
         size = rng.randint(1, 4)
-        cache = Cache(size, reference_hash)
+        cache = Cache(size, radix_trees.reference_hash)
         count = rng.randint(2, 8)
         node = grow(cache, cache.root, [rng.randrange(9) for _ in range(count * size)],
                     rng.sample(range(1000), count))  # fmt: skip
@@ -306,7 +220,7 @@ def test_part2_the_head_copies_lock_ref_and_last_access(rng):
 @seeded
 def test_part2_repeated_splits_keep_the_edge_and_its_chain(rng):
     size = rng.randint(1, 4)
-    cache = Cache(size, reference_hash)
+    cache = Cache(size, radix_trees.reference_hash)
     count = rng.randint(3, 12)
     tokens = [rng.randrange(50) for _ in range(count * size)]
     blocks = rng.sample(range(10**5), count)
@@ -317,7 +231,7 @@ def test_part2_repeated_splits_keep_the_edge_and_its_chain(rng):
             break
         node = rng.choice(splittable)
         cache._split(node, rng.randint(1, len(node.blocks) - 1))
-        check_tree(cache)
+        check_structure(cache)
     assert paths(cache) == {
         tuple(tokens[: (i + 1) * size]): block for i, block in enumerate(blocks)
     }, "splits cut the edge into nodes; the path still spells the same blocks, in order"
@@ -329,7 +243,7 @@ def test_part2_repeated_splits_keep_the_edge_and_its_chain(rng):
 @seeded
 def test_part2_match_finds_the_longest_cached_prefix_of_whole_blocks(rng):
     for _ in range(6):
-        cache = Cache(rng.randint(1, 4), reference_hash)
+        cache = Cache(rng.randint(1, 4), radix_trees.reference_hash)
         made = random_tree(rng, cache, rng.randint(1, 12))
         for _ in range(10):
             model = paths(cache)
@@ -346,14 +260,14 @@ def test_part2_match_finds_the_longest_cached_prefix_of_whole_blocks(rng):
                 "miss): a match that ends inside an edge splits it there"
             )
             assert paths(cache) == model, "a match changes no cached prefix"
-            check_tree(cache)
+            check_structure(cache)
 
 
 @seeded
 def test_part2_a_match_inside_an_edge_splits_it_after_the_last_matched_block(rng):
     for _ in range(10):
         size = rng.randint(1, 4)
-        cache = Cache(size, reference_hash)
+        cache = Cache(size, radix_trees.reference_hash)
         made = random_tree(rng, cache, rng.randint(0, 5))
         parent = rng.choice([cache.root, *made])
         count = rng.randint(2, 6)
@@ -375,14 +289,14 @@ def test_part2_a_match_inside_an_edge_splits_it_after_the_last_matched_block(rng
         assert node.blocks == blocks[keep:] and cache.total_size == total, (
             f"the tail keeps {blocks[keep:]}, got {node.blocks}; no block is added or lost"
         )
-        check_tree(cache)
+        check_structure(cache)
 
 
 @seeded
 def test_part2_a_match_stamps_its_path_and_nothing_else(rng):
     for k in range(8):
         size = rng.randint(1, 4)
-        cache = Cache(size, reference_hash)
+        cache = Cache(size, radix_trees.reference_hash)
         made = random_tree(rng, cache, rng.randint(1, 10))
         top = grow(cache, cache.root, [200 + t for t in range(size)], [80_000])
         deep = grow(cache, top, [300 + t for t in range(2 * size)], [80_001, 80_002])
@@ -419,7 +333,7 @@ def test_part2_a_match_stamps_its_path_and_nothing_else(rng):
 
 @seeded
 def test_part2_a_match_ticks_the_clock_once(rng):
-    cache = Cache(rng.randint(1, 4), reference_hash)
+    cache = Cache(rng.randint(1, 4), radix_trees.reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 10))
     for _ in range(10):
         clock = cache._clock
@@ -433,7 +347,7 @@ def test_part2_a_match_ticks_the_clock_once(rng):
 @seeded
 def test_part2_a_collision_is_a_miss_and_an_empty_prompt_is_refused(rng):
     size = rng.randint(1, 4)
-    cache = Cache(size, colliding_hash)
+    cache = Cache(size, radix_trees.colliding_hash)
     cached = [rng.randrange(100) for _ in range(size * rng.randint(1, 4))]
     grow(cache, cache.root, cached, rng.sample(range(1000), len(cached) // size))
     other = list(cached)
@@ -460,7 +374,7 @@ def test_part3_inserts_record_what_a_prefix_dictionary_records(rng):
     for _ in range(3):
         size = rng.randint(1, 4)
         vocab = rng.randint(2, 4)
-        cache, model = Cache(size, reference_hash), {}
+        cache, model = Cache(size, radix_trees.reference_hash), {}
         ids = iter(rng.sample(range(10**6), 400))
         for step in range(40):
             tokens = [rng.randrange(vocab) for _ in range(size * rng.randint(1, 5))]
@@ -483,13 +397,13 @@ def test_part3_inserts_record_what_a_prefix_dictionary_records(rng):
             assert (cache.evictable_size, cache.protected_size) == (len(model), 0), (
                 "new leaves are evictable"
             )
-            check_tree(cache)
+            check_structure(cache)
 
 
 @seeded
 def test_part3_insert_takes_whole_blocks_only_and_checks_first(rng):
     size = rng.randint(1, 6)
-    cache = Cache(size, reference_hash)
+    cache = Cache(size, radix_trees.reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 6))
     long = grow(cache, cache.root, [100 + t for t in range(2 * size)], [77_000, 77_001])
     before = snapshot(cache)
@@ -513,7 +427,7 @@ def test_part3_insert_takes_whole_blocks_only_and_checks_first(rng):
 @seeded
 def test_part3_insert_stamps_its_path_once(rng):
     size = rng.randint(1, 4)
-    cache, vocab = Cache(size, reference_hash), 3
+    cache, vocab = Cache(size, radix_trees.reference_hash), 3
     ids = iter(rng.sample(range(10**6), 400))
     for _ in range(25):
         for node in nodes(cache):
@@ -546,7 +460,7 @@ def test_part3_insert_stamps_its_path_once(rng):
 @seeded
 def test_part3_a_collision_records_nothing_and_a_new_leaf_is_evictable(rng):
     size = rng.randint(1, 4)
-    cache = Cache(size, colliding_hash)
+    cache = Cache(size, radix_trees.colliding_hash)
     first = [rng.randrange(50) for _ in range(size * rng.randint(1, 3))]
     assert insert(cache, first, rng.sample(range(100), len(first) // size)) == 0
     model = paths(cache)
@@ -560,7 +474,7 @@ def test_part3_a_collision_records_nothing_and_a_new_leaf_is_evictable(rng):
         "another child sits under the new leaf's hash (a collision): nothing more is recorded"
     )
     assert cache._clock == clock + 1, "the path is used now all the same: one tick"
-    cache = Cache(size, reference_hash)
+    cache = Cache(size, radix_trees.reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 6))
     locked = rng.choice(made)
     node = locked
@@ -594,7 +508,7 @@ def lock_refs(cache: RadixCache, locks: dict[int, int]) -> dict[int, int]:
 @seeded
 def test_part4_lock_ref_counts_the_locks_on_a_node_or_below(rng):
     for _ in range(4):
-        cache = Cache(rng.randint(1, 4), reference_hash)
+        cache = Cache(rng.randint(1, 4), radix_trees.reference_hash)
         made = random_tree(rng, cache, rng.randint(1, 12))
         locks: dict[int, int] = {}
         for step in range(40):
@@ -626,7 +540,7 @@ def test_part4_lock_ref_counts_the_locks_on_a_node_or_below(rng):
 
 @seeded
 def test_part4_unlocking_a_node_that_is_not_locked_is_refused_and_changes_nothing(rng):
-    cache = Cache(rng.randint(1, 4), reference_hash)
+    cache = Cache(rng.randint(1, 4), radix_trees.reference_hash)
     made = random_tree(rng, cache, rng.randint(2, 10))
     for node in rng.sample(made, rng.randint(0, len(made) - 1)):
         cache.lock(node)
@@ -641,7 +555,7 @@ def test_part4_unlocking_a_node_that_is_not_locked_is_refused_and_changes_nothin
 
 @seeded
 def test_part4_locking_or_unlocking_the_root_does_nothing(rng):
-    cache = Cache(rng.randint(1, 4), reference_hash)
+    cache = Cache(rng.randint(1, 4), radix_trees.reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 8))
     for node in rng.sample(made, rng.randint(0, len(made))):
         cache.lock(node)
@@ -657,7 +571,7 @@ def test_part4_locking_or_unlocking_the_root_does_nothing(rng):
 
 def stamped_tree(rng):
     """A random tree with random stamps (ties likely) and some paths locked by hand."""
-    cache = Cache(rng.randint(1, 4), reference_hash)
+    cache = Cache(rng.randint(1, 4), radix_trees.reference_hash)
     made = random_tree(rng, cache, rng.randint(1, 14))
     for node in reversed(made):  # children were made after their parents
         node.last_access = rng.randint(0, 6)
@@ -707,14 +621,14 @@ def test_part4_evict_removes_unlocked_leaves_least_recently_used_first(rng):
                 f"expected {want}, got {got}"
             )
             assert {x.node_id for x in nodes(cache)} == alive, "the evicted nodes leave the tree"
-            check_tree(cache)
+            check_structure(cache)
 
 
 @seeded
 def test_part4_a_parent_left_a_leaf_joins_with_its_own_age(rng):
     for _ in range(4):
         size = rng.randint(1, 4)
-        cache = Cache(size, reference_hash)
+        cache = Cache(size, radix_trees.reference_hash)
         young, middle, old = sorted(rng.sample(range(1, 1000), 3), reverse=True)
         ids = iter(rng.sample(range(10_000), 12))
         parent = grow(cache, cache.root, [1] * size, [next(ids) for _ in range(1)])
@@ -824,32 +738,10 @@ def test_part1_hash_blocks_refuses_blocks_the_tokens_do_not_fill(rng):
 # ---- The BlockManager (parts 4.5-4.9): helpers ------------------------------------------------
 
 
-def chain_of(tokens, size: int, hash_function=reference_hash) -> list[int]:
-    hashes, last = [], None
-    for i in range(len(tokens) // size):
-        last = hash_function(last, list(tokens[i * size : (i + 1) * size]))
-        hashes.append(last)
-    return hashes
-
-
 def new_manager(size: int, gpu: int, cpu: int = 0) -> PrefixCachingBlockManager:
     m = PrefixCachingBlockManager(size, gpu, cpu, watermark=0.0)
-    m.hash_function = reference_hash
+    m.hash_function = radix_trees.reference_hash
     return m
-
-
-def seed_prefix(m: PrefixCachingBlockManager, tokens) -> list[int]:
-    """Cached free blocks for the whole blocks of ``tokens``, put in by hand (tree + Phase 1)."""
-    size, allocator = m.block_size, m.gpu_allocator
-    hashes = chain_of(tokens, size, m.hash_function)
-    ids = [allocator.allocate().block_id for _ in hashes]
-    cached = m.tree.insert(list(tokens[: len(ids) * size]), ids, hashes)
-    for index, block_id in enumerate(ids):
-        block = allocator.blocks[block_id]
-        if index >= cached:
-            block.content_hash, block.num_hashed_tokens = hashes[index], (index + 1) * size
-        allocator.free(block)
-    return m.tree.match_prefix([*tokens[: len(ids) * size], 0], hashes).blocks
 
 
 def place(m: PrefixCachingBlockManager, seq_id: int, tokens) -> Sequence:
@@ -877,26 +769,12 @@ def tree_paths(m: PrefixCachingBlockManager) -> dict[tuple[int, ...], int]:
 def check_manager(m: PrefixCachingBlockManager, on_gpu: list[Sequence]) -> None:
     """The manager's invariants, from the blocks, the tables and the tree."""
     allocator, paths = m.gpu_allocator, tree_paths(m)
-    where = {}
-    for node in nodes(m.tree):
-        for index, block_id in enumerate(node.blocks):
-            assert block_id not in where, f"block {block_id} is in the tree twice"
-            where[block_id] = (node, index)
     holders = [0] * allocator.num_blocks
     for seq in on_gpu:
         for block_id in seq.block_table:
             holders[block_id] += 1
     assert [b.ref_count for b in allocator.blocks] == holders, "ref_count != holders"
-    for block in allocator.blocks:
-        if block.block_id not in where:
-            assert block.content_hash is None, f"block {block.block_id}: a hash, not cached"
-            continue
-        node, index = where[block.block_id]
-        assert block.content_hash == node.hashes[index], f"block {block.block_id}: wrong hash"
-        assert (node.lock_ref > 0) == (block.ref_count > 0), (
-            f"block {block.block_id}: lock_ref {node.lock_ref}, ref_count {block.ref_count}"
-        )
-    assert len(allocator.evictor) == m.tree.evictable_size, "the Evictor and the tree disagree"
+    where = radix_trees.cached_blocks(m)
     for seq in on_gpu:
         size = m.block_size
         for i, block_id in enumerate(seq.block_table):
@@ -951,7 +829,7 @@ def test_part5_a_merge_hashes_only_the_blocks_filled_since_the_last(rng):
 
     def counted(parent, block):
         calls.append(1)
-        return reference_hash(parent, block)
+        return radix_trees.reference_hash(parent, block)
 
     m.hash_function = counted
     seq = place(m, 0, [rng.randrange(9) for _ in range(size * rng.randint(3, 9) + 1)])
@@ -976,7 +854,7 @@ def test_part6_make_room_evicts_what_the_free_list_lacks_oldest_prefix_first(rng
     prefixes = []
     for i, blocks in enumerate(lengths):  # distinct first tokens: each prefix is a root leaf
         tokens = [1000 + i] + [rng.randrange(5) for _ in range(blocks * size - 1)]
-        prefixes.append(seed_prefix(m, tokens))
+        prefixes.append(radix_trees.seed_prefix(m, tokens))
     order = list(range(count))
     rng.shuffle(order)
     leaves = {node.blocks[0]: node for node in m.tree.root.children.values()}
@@ -1012,7 +890,7 @@ def test_part7_a_hit_is_the_longest_cached_block_aligned_prefix(rng):
     cached = []
     for _ in range(rng.randint(1, 4)):
         tokens = [rng.randrange(4) for _ in range(size * rng.randint(1, 5))]
-        ids = seed_prefix(m, tokens)
+        ids = radix_trees.seed_prefix(m, tokens)
         cached.append((tokens, ids))
     paths = dict(tree_paths(m))
     for seq_id in range(rng.randint(2, 6)):
@@ -1051,7 +929,7 @@ def test_part7_can_allocate_charges_only_the_uncached_blocks_in_use(rng):
     size = rng.randint(1, 4)
     shared = [rng.randrange(9) for _ in range(size * rng.randint(1, 4))]
     m = new_manager(size, len(shared) // size + 4)
-    seed_prefix(m, shared)
+    radix_trees.seed_prefix(m, shared)
     holder = Sequence(0, [*shared, 1], size)
     m.allocate(holder)
     extra = rng.randint(1, 4 * size)
@@ -1103,19 +981,7 @@ def test_part8_random_traces_hit_the_block_aligned_optimum(rng):
             prompt_ids = rng.choice(stems) + [rng.randrange(7) for _ in range(rng.randint(1, 9))]
         trace.append((prompt_ids, [rng.randrange(7) for _ in range(rng.randint(1, 9))]))
     m = new_manager(size, 2000)
-    hits = []
-    for seq_id, (prompt_ids, output) in enumerate(trace):
-        seq = Sequence(seq_id, prompt_ids, size)
-        m.allocate(seq)
-        hits.append(seq.num_computed_tokens)
-        seq.num_computed_tokens = seq.num_tokens
-        for token in output:
-            seq.append_token(token)
-            BlockManager.append_slot(m, seq)  # Phase 1's: its blocks are cached when freed
-            seq.num_computed_tokens = seq.num_tokens - 1
-        seq.status = SequenceStatus.FINISHED_STOPPED
-        m.free(seq)
-        check_manager(m, [])
+    hits = radix_trees.serve_one_at_a_time(m, trace, after_each=lambda: check_manager(m, []))
     assert hits == optimum(trace, size), (
         f"block size {size}: hits {hits}, the block-aligned optimum {optimum(trace, size)}"
     )
@@ -1200,7 +1066,8 @@ def test_part6_make_room_never_touches_a_locked_prefix_and_frees_without_content
     count = rng.randint(2, 5)
     m = new_manager(size, count * 3 + rng.randint(0, 3))
     prefixes = [
-        seed_prefix(m, [2000 + i] + [1] * (size * rng.randint(1, 3) - 1)) for i in range(count)
+        radix_trees.seed_prefix(m, [2000 + i] + [1] * (size * rng.randint(1, 3) - 1))
+        for i in range(count)
     ]
     locked = rng.sample(range(count), rng.randint(1, count - 1))
     for i in locked:

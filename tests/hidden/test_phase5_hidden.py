@@ -11,13 +11,13 @@ values are sums and counts kept here; times are multiples of 1/64 s, so that eve
 import itertools
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
+from metrics_fakes import check_rules, scheduler, seq
 from test_seed import seeded
 
 from vkv.engine.scheduler import SchedulerOutput
-from vkv.engine.sequence import SequenceStatus
+from vkv.metrics import rules as metric_rules
 from vkv.metrics.registry import (
     FINISH_REASONS,
     LATENCY_BUCKETS,
@@ -26,18 +26,8 @@ from vkv.metrics.registry import (
     EngineMetrics,
     length_buckets,
 )
-from vkv.metrics.rulecheck import promtool, promtool_test
-from vkv.metrics.rules import (
-    RATE_STEMS,
-    hit_ratio_rule,
-    kv_cache_full_alert,
-    kv_usage_rules,
-    latency_quantile_rules,
-    preemption_storm_alert,
-    rate_rules,
-)
+from vkv.metrics.rulecheck import promtool
 from vkv.metrics.stats import StatLogger
-from vkv.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 2048
 
@@ -70,72 +60,6 @@ def buckets_of(observed: list[float], bounds) -> list[float]:
 def a_time(rng, low: int = 0, high: int = 64 * 200) -> float:
     """A time in seconds, a multiple of 1/64 (exact in binary)."""
     return rng.randint(low, high) / 64
-
-
-def scheduler(running=0, waiting=0, swapped=0, gpu=0.0, cpu=0.0, queries=0, hits=0):
-    """What ``record_step`` reads of a scheduler: its queues and its block manager's figures."""
-    manager = SimpleNamespace(
-        gpu_usage=gpu, cpu_usage=cpu, num_query_tokens=queries, num_hit_tokens=hits
-    )
-    return SimpleNamespace(
-        running=[object()] * running,
-        waiting=[object()] * waiting,
-        swapped=[object()] * swapped,
-        block_manager=manager,
-    )
-
-
-class FakeSequence:
-    """A sequence as the logger sees it, with every public attribute of ``Sequence`` (Phase 1's
-    contract: ``tests/runtime/test_metrics.py`` checks that none is missing), built without
-    Phase 1's code. Reading anything else fails with the list of what a Sequence has."""
-
-    def __init__(self, seq_id, prompt, completion, arrival, group_id=None, block_size=4):
-        self.seq_id = seq_id
-        self.status = SequenceStatus.RUNNING
-        self.token_ids = [7] * prompt + [9] * completion
-        self.num_prompt_tokens = prompt
-        self.num_tokens = prompt + completion
-        self.block_size = block_size
-        self.block_table = list(range(-(-self.num_tokens // block_size)))
-        self.sampling_params = SamplingParams()
-        self.arrival_time = arrival
-        self.num_computed_tokens = self.num_tokens - 1
-        self.is_prefill = completion == 0
-        self.group_id = seq_id if group_id is None else group_id
-        self.block_hashes = []
-
-    def __len__(self) -> int:
-        return self.num_tokens
-
-    num_completion_tokens = property(lambda self: self.num_tokens - self.num_prompt_tokens)
-    prompt_token_ids = property(lambda self: self.token_ids[: self.num_prompt_tokens])
-    completion_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens :])
-    last_token = property(lambda self: self.token_ids[-1])
-    is_finished = property(lambda self: self.status.is_finished)
-    num_blocks = property(lambda self: -(-self.num_tokens // self.block_size))
-    last_block_num_tokens = property(
-        lambda self: self.num_tokens - (self.num_blocks - 1) * self.block_size
-    )
-
-    def block(self, i: int) -> list[int]:
-        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-        self.num_tokens += 1
-
-    def __getattr__(self, name: str):
-        public = sorted(n for n in {*vars(self), *vars(type(self))} if not n.startswith("_"))
-        raise AttributeError(
-            f"the logger read seq.{name}, which a Sequence does not have; its public "
-            f"attributes are {', '.join(public)} (vkv/engine/sequence.py)"
-        )
-
-
-def seq(seq_id, prompt, completion, arrival, group_id=None):
-    """A sequence with ``prompt`` prompt tokens and ``completion`` generated ones."""
-    return FakeSequence(seq_id, prompt, completion, arrival, group_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,31 +358,25 @@ def _counter(rng, per_tick: int, restart: bool) -> list[int]:
 
 
 def _check(tmp_path, rules, inputs, checks=(), alerts=(), rule=""):
-    group = {"input_series": inputs}
-    if checks:
-        group["promql_expr_test"] = list(checks)
-    if alerts:
-        group["alert_rule_test"] = list(alerts)
-    said = promtool_test(rules, [group], tmp_path)
-    assert said is None, f"{rule}\nyour rules: {rules}\n{said}"
+    check_rules(tmp_path, rules, rule, inputs, checks, alerts)
 
 
 @needs_promtool
 @seeded
 def test_part4_drawn_counters_rates_per_model(rng, tmp_path):
     window = rng.choice(["30s", "1m", "2m", "5m"])
-    inputs, want = [], {stem: {} for stem in RATE_STEMS}
+    inputs, want = [], {stem: {} for stem in metric_rules.RATE_STEMS}
     for m in range(rng.randint(1, 3)):
         for i in range(rng.randint(1, 3)):
-            for stem in RATE_STEMS:
+            for stem in metric_rules.RATE_STEMS:
                 k = rng.randint(0, 90)
                 values = _counter(rng, k, rng.random() < 0.4)
                 inputs.append(_series(f"vkv_{stem}_total", values, model_name=f"m{m}", instance=i))
                 key = f'model_name="m{m}"'
                 want[stem][key] = want[stem].get(key, 0) + k / TICK
-    checks = [_expect(f"model_name:vkv_{s}:rate{window}", want[s]) for s in RATE_STEMS]
+    checks = [_expect(f"model_name:vkv_{s}:rate{window}", want[s]) for s in metric_rules.RATE_STEMS]
     rule = f"per second over {window}, summed by model_name, resets are restarts"
-    _check(tmp_path, rate_rules(window), inputs, checks, rule=rule)
+    _check(tmp_path, metric_rules.rate_rules(window), inputs, checks, rule=rule)
 
 
 @needs_promtool
@@ -492,7 +410,9 @@ def test_part5_drawn_lookups_give_one_ratio_per_model(rng, tmp_path):
     want = {key: hits[key] / queries[key] for key in hits if queries[key]}
     name = f"model_name:vkv_prefix_cache_hits_per_queries:ratio_rate{window}"
     rule = "the ratio of the sums; no sample for a model that looked nothing up"
-    _check(tmp_path, [hit_ratio_rule(window)], inputs, [_expect(name, want)], rule=rule)
+    _check(
+        tmp_path, [metric_rules.hit_ratio_rule(window)], inputs, [_expect(name, want)], rule=rule
+    )
 
 
 def _quantile(q: float, buckets: list[tuple[float, float]]) -> float:
@@ -543,7 +463,9 @@ def test_part6_drawn_histograms_quantiles_per_model(rng, tmp_path):
                 want[f'model_name="m{m}",quantile="{q}"'] = _quantile(q, pairs)
         checks.append(_expect(f"model_name:vkv_{histogram}:quantile_rate{window}", want))
     rule = f"histogram_quantile of the buckets' rates summed by (model_name, le), over {window}"
-    _check(tmp_path, latency_quantile_rules(window, quantiles), inputs, checks, rule=rule)
+    _check(
+        tmp_path, metric_rules.latency_quantile_rules(window, quantiles), inputs, checks, rule=rule
+    )
 
 
 @needs_promtool
@@ -568,7 +490,7 @@ def test_part7_drawn_gauges_the_fullest_now_and_over_the_window(rng, tmp_path):
             _expect(f"model_name:vkv_{pool}_cache_usage_perc:max_avg_over_time{window}", mean)
         )
     rule = f"the fullest instance now, and the largest of the instances' means over {window}"
-    _check(tmp_path, kv_usage_rules(window), inputs, checks, rule=rule)
+    _check(tmp_path, metric_rules.kv_usage_rules(window), inputs, checks, rule=rule)
 
 
 @needs_promtool
@@ -599,7 +521,13 @@ def test_part8_drawn_thresholds_fire_after_their_duration(rng, tmp_path):
     rule = (
         f"above {threshold} from {start * TICK}s for {duration}: firing from {fires}s, not before"
     )
-    _check(tmp_path, [kv_cache_full_alert(threshold, duration)], inputs, alerts=alerts, rule=rule)
+    _check(
+        tmp_path,
+        [metric_rules.kv_cache_full_alert(threshold, duration)],
+        inputs,
+        alerts=alerts,
+        rule=rule,
+    )
 
 
 @needs_promtool
@@ -630,7 +558,7 @@ def test_part8_drawn_storms_fire_after_their_duration(rng, tmp_path):
     rule = f"above {per_second}/s from {start * TICK}s for {duration}: firing from {fires}s"
     _check(
         tmp_path,
-        [preemption_storm_alert(per_second, duration, window)],
+        [metric_rules.preemption_storm_alert(per_second, duration, window)],
         inputs,
         alerts=alerts,
         rule=rule,

@@ -1,5 +1,7 @@
 """The invariants of ``PrefixCachingBlockManager`` (its module docstring), checked whole."""
 
+from radix_trees import cached_blocks
+
 from vkv.engine.block import Device
 from vkv.engine.prefix_caching import PrefixCachingBlockManager
 from vkv.engine.radix_cache import TreeNode
@@ -19,26 +21,7 @@ def check_prefix_cache(manager: PrefixCachingBlockManager, on_gpu: list[Sequence
     """Tree blocks carry their tree hash and no other block has one; a locked node's blocks are
     in use and an unlocked node's are free, in the Evictor; each sequence's cached blocks lie on
     the path it locked; ``lock_ref`` of every node counts the sequences locking it or below."""
-    tree, allocator = manager.tree, manager.gpu_allocator
-    where: dict[int, tuple[TreeNode, int]] = {}
-    for node in tree._nodes():
-        for index, block_id in enumerate(node.blocks):
-            assert block_id not in where, f"block {block_id} is in the tree twice"
-            where[block_id] = (node, index)
-    for block in allocator.blocks:
-        if block.block_id not in where:
-            assert block.content_hash is None, f"block {block.block_id} has a hash, not cached"
-            continue
-        node, index = where[block.block_id]
-        assert block.content_hash == node.hashes[index], f"block {block.block_id}: wrong hash"
-        locked = node.lock_ref > 0
-        assert locked == (block.ref_count > 0), (
-            f"block {block.block_id}: lock_ref {node.lock_ref}, ref_count {block.ref_count}"
-        )
-        assert locked or block.block_id in allocator.evictor, f"{block.block_id} not evictable"
-    assert len(allocator.evictor) == tree.evictable_size, (
-        f"{len(allocator.evictor)} blocks in the Evictor, {tree.evictable_size} evictable"
-    )
+    tree, where = manager.tree, cached_blocks(manager)
     locks: dict[int, int] = {}
     for seq in on_gpu:
         assert manager.device_of(seq) is Device.GPU

@@ -179,32 +179,23 @@ def _run_timed(
 
 def _share_rewritten_tests(reference: Path, trees: list[Path], test_files: list[str]) -> None:
     """Have pytest rewrite the graded test modules' asserts once, in ``reference``, and give
-    every tree the result (``copy_clean``'s test caches): the trees' test files are the
-    reference's, times included, so each of the check's hundreds of runs loads them instead of
-    rewriting them again."""
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    every tree the cached result (``tests/**/__pycache__/*-pytest-*.pyc``): the trees' test
+    files are the reference's, times included (``copy2``), so each of the check's hundreds of
+    runs loads them instead of rewriting them again."""
+    collect = ["-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"]
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "-n",
-            "0",
-            "-p",
-            "no:cacheprovider",
-        ],
+        [sys.executable, *collect, *test_files],
         cwd=reference,
-        env=environment | {"PYTHONPATH": str(reference)},
+        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        | {"PYTHONPATH": str(reference)},
         capture_output=True,
         timeout=RUN_TIMEOUT_S,
     )
-    caches = list(reference.glob("tests/**/__pycache__/*-pytest-*.pyc"))
-    for tree in trees:
-        for cache in caches if tree != reference else ():
-            (tree / cache.relative_to(reference)).parent.mkdir(exist_ok=True)
-            shutil.copy2(cache, tree / cache.relative_to(reference))
+    caches = [cache.relative_to(reference) for cache in reference.glob("tests/**/*-pytest-*.pyc")]
+    for tree in (tree for tree in trees if tree != reference):
+        for cache in caches:
+            (tree / cache).parent.mkdir(exist_ok=True)
+            shutil.copy2(reference / cache, tree / cache)
 
 
 def _apply(mutant: Mutant, tree: Path) -> str | None:

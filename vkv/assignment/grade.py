@@ -95,7 +95,7 @@ from vkv.assignment.trees import (
     tree_state,
 )
 
-GRADER_INI = "[pytest]\naddopts =\npython_files = test_*.py\n"
+GRADER_INI = "[pytest]\naddopts =\npython_files = test_*.py\npythonpath = tests\n"
 GRADER_INI_NAME = "vkv-grader.ini"
 STUB_ERROR = re.compile(r"NotImplementedError: part (\d+\.\d+):")
 
