@@ -268,7 +268,10 @@ def test_preemption_with_int8_kv_gives_the_tokens_of_an_ample_pool(mode, device)
 def test_generate_takes_a_kv_cache_dtype(capsys):
     argv = ["generate", "def", "--max-tokens", "4", "--temperature", "0"]
     assert main([*argv, "--kv-cache-dtype", "int4"]) == 0
-    assert "int4:" in capsys.readouterr().err, "the startup line names the format and its gain"
+    line = capsys.readouterr().err
+    assert "int4, float32 scales: a block 2.67x smaller than 16-bit" in line, (
+        "the startup line names the format, the scales' dtype and the gain"
+    )
     with pytest.raises(SystemExit) as refused:  # argparse: a choice outside the list
         main([*argv, "--kv-cache-dtype", "fp8"])
     assert refused.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
@@ -535,7 +538,7 @@ def test_a_block_freed_partial_and_reused_by_a_chunked_prefill_keeps_no_slot():
 def test_keys_per_channel_are_an_option_of_the_cli_and_of_the_budget(capsys):
     argv = ["generate", "def", "--max-tokens", "4", "--temperature", "0"]
     assert main([*argv, "--kv-cache-dtype", "int8", "--key-granularity", "per_channel"]) == 0
-    assert "int8, keys per channel:" in capsys.readouterr().err
+    assert "int8, keys per channel, float32 scales: a block" in capsys.readouterr().err
     assert main([*argv, "--key-granularity", "per_channel"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
@@ -551,6 +554,6 @@ def test_keys_per_channel_are_an_option_of_the_cli_and_of_the_budget(capsys):
     with pytest.raises(ValueError, match="a quantization group needs a quantized KV cache"):
         CacheShape(1, 4, 1, 8, torch.float32, quant_group="token")
     assert main([*argv, "--kv-cache-dtype", "int4", "--kv-quant-group", "token"]) == 0
-    assert "int4, one scale per token:" in capsys.readouterr().err
+    assert "int4, one scale per token, float32 scales: a block" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"the key residual .* fills the KV budget"):
         LLMEngine(kv_cache_dtype="int8", key_granularity="per_channel", kv_cache_bytes=4096)

@@ -69,13 +69,7 @@ from pathlib import Path
 
 from vkv.assignment import sandbox
 from vkv.assignment.parts import GRADED_TEST_FILE, Assignment, Part
-from vkv.assignment.policy import (
-    POLICY_TEST_SUFFIX,
-    Verdict,
-    Violation,
-    check_file,
-    graded_text,
-)
+from vkv.assignment.policy import POLICY_TEST_SUFFIX, Verdict, Violation, check_file, graded_text
 from vkv.assignment.regions import RegionError, find_regions, restore_regions, stub_regions
 from vkv.assignment.results import (
     HIDDEN_DIR,
@@ -90,6 +84,7 @@ from vkv.assignment.run_report import read_pipe, read_report
 from vkv.assignment.trees import (
     copy_clean,
     first_change,
+    no_bytecode_written,
     protected_changes,
     submitted_file,
     tree_state,
@@ -156,7 +151,10 @@ def grade(
         own = [done[run] for run in runs if run.part == part.id and run.isolated is isolated]
         return _part_result(part, *_combine(own))
 
-    with tempfile.TemporaryDirectory(prefix="vkv-grade-", ignore_cleanup_errors=True) as scratch:
+    with (
+        no_bytecode_written(),
+        tempfile.TemporaryDirectory(prefix="vkv-grade-", ignore_cleanup_errors=True) as scratch,
+    ):
         base = Path(scratch) / "base"
         copy_clean(trusted, base)
         if hidden is not None:

@@ -7,6 +7,9 @@ anything wrote to the trusted tree meanwhile.
 import hashlib
 import os
 import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from vkv.assignment.parts import Assignment
@@ -121,3 +124,15 @@ def copy_clean(
             continue
         (target / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(file, target / path)
+
+
+@contextmanager
+def no_bytecode_written() -> Iterator[None]:
+    """While inside, this process writes no ``.pyc`` file: what a grade imports as it goes (rich's
+    modules when it first prints progress, say) must not land in the trusted tree, whose virtual
+    environment it may be running from, between the tree's two fingerprints."""
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
