@@ -136,23 +136,13 @@ def seed_prefix(manager, tokens) -> list[int]:
     return manager.tree.match_prefix([*tokens[: len(ids) * size], 0], hashes).blocks
 
 
-def nodes(cache: RadixCache) -> list[TreeNode]:
-    """Every node of the tree but the root."""
-    found, stack = [], list(cache.root.children.values())
-    while stack:
-        node = stack.pop()
-        found.append(node)
-        stack.extend(node.children.values())
-    return found
-
-
 def cached_blocks(manager) -> dict[int, tuple[TreeNode, int]]:
     """Where each block of ``manager``'s tree sits (its node and index), once the pool and the
     tree are checked to agree: a block is in the tree once; a block outside it has no hash; a
     tree block carries its node's hash and is in use exactly when its node is locked, else it
     waits in the Evictor, which holds as many blocks as the tree calls evictable."""
     allocator, where = manager.gpu_allocator, {}
-    for node in nodes(manager.tree):
+    for node in manager.tree._nodes():  # the tree's given walk
         for index, block_id in enumerate(node.blocks):
             assert block_id not in where, f"block {block_id} is in the tree twice"
             where[block_id] = (node, index)

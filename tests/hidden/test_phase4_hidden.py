@@ -13,7 +13,7 @@ count of locks per node, and a plain scan for the oldest leaf.
 import pytest
 import radix_trees
 import xxhash
-from radix_trees import Cache, check_structure, grow, insert, match, nodes
+from radix_trees import Cache, check_structure, grow, insert, match
 from test_seed import seeded
 
 from vkv.engine.block_manager import AllocStatus, BlockManager
@@ -226,7 +226,7 @@ def test_part2_repeated_splits_keep_the_edge_and_its_chain(rng):
     blocks = rng.sample(range(10**5), count)
     grow(cache, cache.root, tokens, blocks)
     for _ in range(rng.randint(1, count - 1)):
-        splittable = [n for n in nodes(cache) if len(n.blocks) > 1]
+        splittable = [n for n in cache._nodes() if len(n.blocks) > 1]
         if not splittable:
             break
         node = rng.choice(splittable)
@@ -315,7 +315,7 @@ def test_part2_a_match_stamps_its_path_and_nothing_else(rng):
         while node is not cache.root:
             on_path.add(id(node))
             node = node.parent
-        for node in nodes(cache):
+        for node in cache._nodes():
             if id(node) in on_path:
                 assert node.last_access == now, (
                     f"the node the match ends at and its ancestors are used now (tick {now}), "
@@ -430,22 +430,22 @@ def test_part3_insert_stamps_its_path_once(rng):
     cache, vocab = Cache(size, radix_trees.reference_hash), 3
     ids = iter(rng.sample(range(10**6), 400))
     for _ in range(25):
-        for node in nodes(cache):
+        for node in cache._nodes():
             node.last_access = rng.randint(0, 100)
-        before = {id(n): n.last_access for n in nodes(cache)}
+        before = {id(n): n.last_access for n in cache._nodes()}
         cache._clock = clock = rng.randint(100, 10**6)
         tokens = [rng.randrange(vocab) for _ in range(size * rng.randint(1, 4))]
         insert(cache, tokens, [next(ids) for _ in range(len(tokens) // size)])
         assert cache._clock == clock + 1, "an insert is one use of its path: one tick"
         end = max(
-            (n for n in nodes(cache) if tokens[: len(path_key(cache, n))] == path_key(cache, n)),
+            (n for n in cache._nodes() if tokens[: len(path_key(cache, n))] == path_key(cache, n)),
             key=lambda n: len(path_key(cache, n)),
         )
         on_path, node = set(), end
         while node is not cache.root:
             on_path.add(id(node))
             node = node.parent
-        for node in nodes(cache):
+        for node in cache._nodes():
             if id(node) in on_path:
                 assert node.last_access == clock + 1, (
                     f"the inserted path (to the new leaf, or where the cached prefix ends) is "
@@ -481,7 +481,7 @@ def test_part3_a_collision_records_nothing_and_a_new_leaf_is_evictable(rng):
     while node is not cache.root:  # locked by hand: this part's tests do not run part 4.5
         node.lock_ref += 1
         node = node.parent
-    protected = sum(len(n.blocks) for n in nodes(cache) if n.lock_ref)
+    protected = sum(len(n.blocks) for n in cache._nodes() if n.lock_ref)
     cache.evictable_size, cache.protected_size = cache.total_size - protected, protected
     extra = rng.randint(1, 3)
     tokens = path_key(cache, locked) + [rng.randrange(1000, 2000) for _ in range(extra * size)]
@@ -502,7 +502,7 @@ def lock_refs(cache: RadixCache, locks: dict[int, int]) -> dict[int, int]:
     def count(node: TreeNode) -> int:
         return locks.get(node.node_id, 0) + sum(count(c) for c in node.children.values())
 
-    return {n.node_id: count(n) for n in nodes(cache)}
+    return {n.node_id: count(n) for n in cache._nodes()}
 
 
 @seeded
@@ -590,8 +590,8 @@ def stamped_tree(rng):
 def expected_evict(cache: RadixCache, num_blocks: int) -> tuple[list[int], set[int]]:
     """The rule by a plain scan: while fewer than ``num_blocks`` are out, remove the unlocked
     leaf of smallest (last_access, node_id); a parent left childless becomes a leaf."""
-    children = {n.node_id: len(n.children) for n in nodes(cache)}
-    alive = {n.node_id: n for n in nodes(cache)}
+    children = {n.node_id: len(n.children) for n in cache._nodes()}
+    alive = {n.node_id: n for n in cache._nodes()}
     out: list[int] = []
     while len(out) < num_blocks:
         leaves = [n for i, n in alive.items() if children[i] == 0 and n.lock_ref == 0]
@@ -612,7 +612,7 @@ def test_part4_evict_removes_unlocked_leaves_least_recently_used_first(rng):
         for _ in range(3):
             n = rng.randint(0, cache.total_size + 2)
             want, alive = expected_evict(cache, n)
-            stamps = sorted((x.last_access, x.node_id, x.blocks) for x in nodes(cache))
+            stamps = sorted((x.last_access, x.node_id, x.blocks) for x in cache._nodes())
             got = cache.evict(n)
             assert got == want, (
                 f"evict({n}) removes unlocked leaves, smallest (last_access, node_id) first, "
@@ -620,7 +620,7 @@ def test_part4_evict_removes_unlocked_leaves_least_recently_used_first(rng):
                 f"at least {n} blocks are out: nodes (last_access, node_id, blocks) {stamps}; "
                 f"expected {want}, got {got}"
             )
-            assert {x.node_id for x in nodes(cache)} == alive, "the evicted nodes leave the tree"
+            assert {x.node_id for x in cache._nodes()} == alive, "the evicted nodes leave the tree"
             check_structure(cache)
 
 
@@ -672,7 +672,7 @@ def test_part4_only_locked_paths_survive_evicting_everything(rng):
             "evicting everything goes leaf by leaf, oldest (last_access, node_id) first, a "
             f"parent left a leaf joining with its own stamp: expected {want}, got {out}"
         )
-        assert {n.node_id for n in nodes(cache)} == locked, (
+        assert {n.node_id for n in cache._nodes()} == locked, (
             "evicting more than the tree holds removes every unlocked node, leaves first, and "
             "never a locked one"
         )
@@ -1134,7 +1134,7 @@ def test_part8_forked_children_lock_the_parents_path(rng):
     for seq in group:
         seq.status = SequenceStatus.FINISHED_STOPPED
         m.free(seq)
-    assert all(n.lock_ref == 0 for n in nodes(m.tree))
+    assert all(n.lock_ref == 0 for n in m.tree._nodes())
 
 
 @seeded
