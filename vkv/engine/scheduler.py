@@ -5,11 +5,8 @@ the model runs them; ``postprocess`` appends the sampled tokens. A sequence join
 soon as its blocks fit and leaves it the step it finishes (iteration-level scheduling, Orca):
 there is no waiting for the slowest request of a batch.
 
-Token accounting. ``seq.num_computed_tokens`` counts the leading tokens whose K/V are in the
-cache. A scheduled sequence computes tokens ``[num_computed_tokens, num_computed_tokens + n)``:
-a *prefill* computes a whole prompt (or a chunk of it), a *decode* computes the one token the
-last step appended. When a step computes a sequence's last token, it yields logits for the next
-one, which ``postprocess`` appends; a prefill chunk that stops short yields nothing.
+What a step hands the model runner (``SchedulerOutput``) and how its tokens are counted:
+``scheduler_output.py``. The queues and the given helpers your parts call: ``scheduler_state.py``.
 
 Queues (every unfinished sequence is in exactly one):
 
@@ -37,11 +34,6 @@ answers the same three ways (``can_swap_in``): a swapped sequence that could NEV
 step on the GPU again is finished as FINISHED_IGNORED too, so both preemption modes end a
 sequence that outgrew the pool the same way, and nobody waits behind it forever.
 
-Prefill or decode. ``seq.is_prefill`` is True from a sequence's admission until every token it
-was admitted with is computed (``postprocess`` turns it off when it appends a token; a
-preemption by recompute turns it back on). A scheduled sequence in its prefill is a prefill
-(also a last chunk of one token); otherwise it is a decode of its newest token.
-
 Invariants
 - Every unfinished sequence is in exactly one queue, with the matching status and blocks.
 - A finished sequence (stopped, length-capped, aborted, ignored) is in no queue and holds no
@@ -51,90 +43,18 @@ Invariants
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
 
-from vkv.config import Config, PreemptionMode
+from vkv.config import PreemptionMode
 from vkv.engine.block import NoFreeBlocksError
-from vkv.engine.block_manager import AllocStatus, BlockManager
-from vkv.engine.prefix_caching import PrefixCachingBlockManager
+from vkv.engine.block_manager import AllocStatus
+from vkv.engine.scheduler_output import (
+    IgnoredSequence,
+    ScheduledSequence,
+    SchedulerOutput,
+    SchedulingBudget,
+)
+from vkv.engine.scheduler_state import SchedulerState
 from vkv.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass(slots=True, frozen=True)
-class ScheduledSequence:
-    """One sequence of a step: it computes ``num_tokens`` tokens from ``num_computed_tokens``.
-
-    Frozen: a decode's item is the same every step, so one may serve many steps."""
-
-    seq: Sequence
-    num_tokens: int
-    is_prefill: bool
-
-
-@dataclass(slots=True)
-class IgnoredSequence:
-    """A request that can never run, and why."""
-
-    seq: Sequence
-    reason: str
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step runs, and the block copies the cache must make before it runs."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)  # {cpu: gpu}
-    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)  # {gpu: cpu}
-    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)  # {src: [dst, ...]}
-    ignored: list[IgnoredSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        return [item.seq for item in self.scheduled]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(item.num_tokens for item in self.scheduled)
-
-    @property
-    def num_prefills(self) -> int:
-        return sum(item.is_prefill for item in self.scheduled)
-
-    @property
-    def kind(self) -> str:
-        """``prefill``, ``decode``, ``mixed`` (chunked prefill) or ``idle`` (nothing runs)."""
-        prefills = self.num_prefills
-        if not self.scheduled:
-            return "idle"
-        if prefills == len(self.scheduled):
-            return "prefill"
-        return "decode" if prefills == 0 else "mixed"
-
-
-@dataclass(slots=True)
-class SchedulingBudget:
-    """What is left of one step's budgets (vLLM's name)."""
-
-    token_budget: int
-    max_num_seqs: int
-    num_batched_tokens: int = 0
-    num_seqs: int = 0
-
-    @property
-    def remaining_tokens(self) -> int:
-        return self.token_budget - self.num_batched_tokens
-
-    def can_schedule(self, num_tokens: int, num_seqs: int) -> bool:
-        return (
-            self.num_batched_tokens + num_tokens <= self.token_budget
-            and self.num_seqs + num_seqs <= self.max_num_seqs
-        )
-
-    def add(self, num_tokens: int, num_seqs: int) -> None:
-        self.num_batched_tokens += num_tokens
-        self.num_seqs += num_seqs
 
 
 def _by_arrival(seq: Sequence) -> tuple[float, int, int]:
@@ -142,31 +62,10 @@ def _by_arrival(seq: Sequence) -> tuple[float, int, int]:
     return seq.arrival_time, seq.group_id, seq.seq_id
 
 
-class Scheduler:
-    """Continuous batching with preemption; see the module docstring for the policy."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        manager = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
-        self.block_manager = manager(
-            config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.watermark
-        )
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.swapped: list[Sequence] = []
-        self._unfinished: dict[int, Sequence] = {}
-        # Sequence id -> its decode's item, ``ScheduledSequence(seq, 1, False)``: the same every
-        # step, so the reference ``_schedule_running`` makes it once (building one per decode was
-        # a fifth of the loop's time); ``_finish`` forgets it. Your code may leave this empty.
-        self._decodes: dict[int, ScheduledSequence] = {}
-        self.num_preemptions = 0
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
-    def is_finished(self) -> bool:
-        return self.num_unfinished == 0
+class Scheduler(SchedulerState):
+    """Continuous batching with preemption; see the module docstring for the policy, and
+    ``SchedulerState`` for the queues and the given helpers (``_seats``, ``_pop_newest_group``,
+    ``_front_group``, ``_prefill_chunk``)."""
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch (the policy in the module docstring)."""
@@ -315,12 +214,6 @@ class Scheduler:
             budget.add(num_tokens, seats)
         ### END SOLUTION
 
-    @staticmethod
-    def _seats(seq: Sequence) -> int:
-        """Sequence places an admission takes: ``sampling_params.n`` for a request that has not
-        sampled yet (it is forked into n samples once its prompt is computed), else 1 (given)."""
-        return seq.sampling_params.n if seq.num_completion_tokens == 0 else 1
-
     def _never_fits(self, seq: Sequence) -> str:
         """The reason given for a sequence whose blocks could NEVER fit the GPU pool."""
         ### BEGIN SOLUTION part2.1
@@ -394,15 +287,6 @@ class Scheduler:
         if unfinished_prefills:
             self._schedule_prefill_chunks(unfinished_prefills, out, budget)
         ### END SOLUTION
-
-    @staticmethod
-    def _pop_newest_group(queue: deque[Sequence]) -> list[Sequence]:
-        """Take the newest sequence from the back of ``queue``, and the members of its group
-        before it; return them in arrival order (given)."""
-        group = [queue.pop()]
-        while queue and queue[-1].group_id == group[0].group_id:
-            group.insert(0, queue.pop())
-        return group
 
     def _append_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Give the sequence the slot for its newest token (``block_manager.append_slot``) and
@@ -575,22 +459,7 @@ class Scheduler:
             budget.add(sum(tokens), len(group))
         ### END SOLUTION
 
-    @staticmethod
-    def _front_group(seqs: list[Sequence]) -> list[Sequence]:
-        """The first sequence of ``seqs`` and the members of its group right after it (given)."""
-        end = 1
-        while end < len(seqs) and seqs[end].group_id == seqs[0].group_id:
-            end += 1
-        return seqs[:end]
-
     # -- part 2.5: chunked prefill ------------------------------------------------------------
-
-    def _prefill_chunk(self, seq: Sequence, budget: SchedulingBudget) -> int:
-        """How many of the sequence's uncomputed tokens fit in what is left of the token budget.
-
-        Given (swap-in and the chunk pass use it).
-        """
-        return min(seq.num_tokens - seq.num_computed_tokens, budget.remaining_tokens)
 
     def _schedule_prefill_chunks(
         self, seqs: list[Sequence], out: SchedulerOutput, budget: SchedulingBudget

@@ -1,33 +1,32 @@
-"""Triton kernels for the paged KV cache, with the signatures of ``reference.py``.
+"""Triton kernels for paged attention, with the signatures of ``reference.py``.
 
-- ``store_kvcache``: one program per token writes its K and V rows into their slots.
-- ``paged_prefill_attention``: one program per (sequence, query head, tile of ``BLOCK_M`` new
-  tokens) walks the cached context through the block table with an online softmax, masking the
-  positions after each token (causal); the context before the new tokens is visible to all.
+One kernel, ``_attention_kernel``, serves decode and prefill: a program takes a tile of query
+rows that read the same KV head, walks the cached context of their sequence through the block
+table, ``BLOCK_N`` tokens a tile, and keeps an online softmax (a running maximum, sum and
+output per row). Only which rows a program takes, and which part of the context it walks,
+differ (``DECODE``):
+
 - ``paged_decode_attention``: flash-decoding in two stages. Stage 1 runs one program per
-  (sequence, KV head, split of the context): the query heads that share the KV head (GQA) are
-  packed into the rows of one ``tl.dot`` (padded to 16, the GPU's minimum), KV tokens are
-  gathered through the block table in tiles of ``BLOCK_N``, and an online softmax keeps a running
-  maximum, sum and output. It writes each split's output and log-sum-exp. Stage 2 merges the
-  splits of each (sequence, head) with log-sum-exp weights.
+  (sequence, KV head, split of the context): its rows are the query heads that share the KV head
+  (GQA), packed into the rows of one ``tl.dot`` (padded to 16, the GPU's minimum); it writes each
+  split's output and log-sum-exp. Stage 2 (``_decode_merge_kernel``) merges the splits of each
+  (sequence, head) with log-sum-exp weights.
+- ``paged_prefill_attention``: one program per (sequence, query head, tile of ``BLOCK_M`` new
+  tokens); its rows are those tokens, each seeing the context up to its own position (causal);
+  the context before the new tokens is visible to all.
 
-A quantized cache (``QuantizedCache``, Phase 3) goes through the same kernels: storing
-quantizes each (token, KV head) row in its program (minimum, scale, codes; INT4 packs code
-``2i`` in the low nibble of byte ``i``), and the attention tiles load codes, scales and zeros and
-dequantize them in registers before the dot products (``_load_rows`` calls
+A decode's row sits at the last position of its context, so one causal rule serves both.
+
+A quantized cache (``QuantizedCache``, Phase 3) goes through the same kernel: a tile loads codes,
+scales and zeros and dequantizes them in registers before the dot products (``_load_rows`` calls
 ``triton_quantized.load_dequantized``, part 3.8), so a quantized block is read as bytes, never
-expanded in memory. Keys per channel: storing sends keys to the residual
-and quantizes the blocks a step fills with ``quantized.store_keys_per_channel`` (torch; a few
-blocks a step, shared with the reference); the tiles read a scale per (block, head, channel)
-and a partial block's keys from the residual.
+expanded in memory. Keys per channel have a scale per (block, head, channel), and a partial
+block's keys are read from the residual. Storing is ``triton_store.py``'s.
 
 On a CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, fp32 and fp16;
 bf16 is broken there). Tile sizes respect the GPU's minimum ``tl.dot`` shapes (16), so what
-passes on the CPU also compiles for an H200; fp32 dots use IEEE precision, not TF32.
-
-The kernels read every tensor through a raw pointer, so the wrappers first check that all of
-them are on one device (``_check_devices``): a tensor elsewhere is a ``ValueError`` naming it,
-not a crash or garbage.
+passes on the CPU also compiles for an H200; fp32 dots use IEEE precision, not TF32. Scores,
+softmax and the weighted sum are float32 whatever the query's dtype.
 """
 
 import torch
@@ -35,155 +34,18 @@ import triton
 import triton.language as tl
 
 from vkv.engine.cache_engine import QuantizedCache
-from vkv.kernels.quantized import store_keys_per_channel
-from vkv.kernels.reference import refuse_non_finite
 from vkv.kernels.triton_quantized import load_dequantized
+from vkv.kernels.triton_store import check_devices, store_kvcache
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kvcache"]
 
 MIN_DOT = 16
 UNQUANTIZED = 16  # the kernels' BITS for a cache of values
-PLANES = ("codes", "scale", "zero", "residual", "residual_slot")  # a QuantizedCache's tensors
 
 
 @triton.jit
-def _store_kvcache_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    key_stride,
-    value_stride,
-    ROW: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    offsets = tl.arange(0, BLOCK)
-    mask = (offsets < ROW) & (offsets * 0 + slot >= 0)
-    target = tl.maximum(slot, 0) * ROW + offsets
-    k = tl.load(key_ptr + token * key_stride + offsets, mask=mask)
-    v = tl.load(value_ptr + token * value_stride + offsets, mask=mask)
-    tl.store(k_cache_ptr + target, k, mask=mask)
-    tl.store(v_cache_ptr + target, v, mask=mask)
-
-
-def store_kvcache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write ``key``/``value`` ``[tokens, kv_heads, head_dim]`` into their slots (-1: skip);
-    a ``QuantizedCache`` gets each (token, head) row quantized on the fly. ``ValueError`` for an
-    argument on another device than ``key`` (``_check_devices``: "value is on cpu, the key on
-    cuda:0")."""
-    _check_devices(
-        "key", key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
-    )
-    num_tokens, num_kv_heads, head_dim = key.shape
-    row = num_kv_heads * head_dim
-    if key.stride(-1) != 1 or key.stride(1) != head_dim or value.stride(1) != head_dim:
-        raise ValueError("key and value must be contiguous in their last two dimensions")
-    if isinstance(k_cache, QuantizedCache):
-        refuse_non_finite(key, value)  # before any write
-        pairs = [(key, k_cache), (value, v_cache)]
-        if k_cache.per_channel:
-            store_keys_per_channel(key, k_cache)
-            pairs = pairs[1:]
-        for rows, cache in pairs:
-            groups = cache.scale.shape[2]  # per KV head, or one group for all of a token's
-            codes = cache.codes.view(*cache.codes.shape[:2], groups, -1)
-            rows = rows.view(num_tokens, groups, -1)
-            width = row // groups
-            _store_quantized_kernel[(num_tokens, groups)](
-                rows,
-                codes,
-                cache.scale,
-                cache.zero,
-                slot_mapping,
-                rows.stride(0),
-                rows.stride(1),
-                codes.stride(1),
-                codes.stride(2),
-                cache.scale.stride(1),
-                cache.scale.stride(2),
-                HEAD_DIM=width,
-                BLOCK_D=max(2, triton.next_power_of_2(width)),
-                BITS=cache.bits,
-            )
-        return
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the caches must be contiguous")
-    _store_kvcache_kernel[(num_tokens,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        value.stride(0),
-        ROW=row,
-        BLOCK=triton.next_power_of_2(row),
-    )
-
-
-@triton.jit
-def _store_quantized_kernel(
-    x_ptr,
-    codes_ptr,
-    scale_ptr,
-    zero_ptr,
-    slot_ptr,
-    stride_x_token,
-    stride_x_head,
-    stride_code_slot,
-    stride_code_head,
-    stride_scale_slot,
-    stride_scale_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BITS: tl.constexpr,
-):
-    """One (token, KV head) row: its minimum, scale and codes (``quantizer.py``'s formulas,
-    halves rounded up rather than to even), written to the token's slot unless it is -1."""
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    given = tl.load(slot_ptr + token).to(tl.int64)
-    slot = tl.maximum(given, 0)
-    row_ptr = x_ptr + token * stride_x_token + head * stride_x_head
-    dims = tl.arange(0, BLOCK_D)
-    write = (dims * 0 + given) >= 0  # -1: padding, nothing written (as a vector mask)
-    in_row = dims < HEAD_DIM
-    x = tl.load(row_ptr + dims, mask=in_row, other=0.0).to(tl.float32)
-    low = tl.min(tl.where(in_row, x, float("inf")), 0)
-    high = tl.max(tl.where(in_row, x, float("-inf")), 0)
-    levels = (1 << BITS) - 1
-    step_size = (high - low) / levels
-    step = tl.where(step_size > 0, step_size, 1.0)
-    codes_at = codes_ptr + slot * stride_code_slot + head * stride_code_head
-    if BITS == 8:
-        codes = tl.minimum(tl.maximum(tl.floor((x - low) / step + 0.5), 0.0), levels)
-        tl.store(codes_at + dims, codes.to(tl.uint8), mask=in_row & write)
-    else:
-        pairs = tl.arange(0, BLOCK_D // 2)
-        in_pairs = pairs < HEAD_DIM // 2
-        even = tl.load(row_ptr + 2 * pairs, mask=in_pairs, other=0.0).to(tl.float32)
-        odd = tl.load(row_ptr + 2 * pairs + 1, mask=in_pairs, other=0.0).to(tl.float32)
-        low_codes = tl.minimum(tl.maximum(tl.floor((even - low) / step + 0.5), 0.0), levels)
-        high_codes = tl.minimum(tl.maximum(tl.floor((odd - low) / step + 0.5), 0.0), levels)
-        packed = low_codes.to(tl.int32) | (high_codes.to(tl.int32) << 4)
-        tl.store(codes_at + pairs, packed.to(tl.uint8), mask=in_pairs & ((pairs * 0 + given) >= 0))
-    first = dims < 1  # the scale and the zero, stored through the row's first lane
-    scales_at = scale_ptr + slot * stride_scale_slot + head * stride_scale_head + dims
-    zeros_at = zero_ptr + slot * stride_scale_slot + head * stride_scale_head + dims
-    tl.store(scales_at, (x * 0 + step_size).to(scale_ptr.dtype.element_ty), mask=first & write)
-    tl.store(zeros_at, (x * 0 + low).to(zero_ptr.dtype.element_ty), mask=first & write)
-
-
-@triton.jit
-def _attend_tile(
-    q,
+def _attention_kernel(
+    q_ptr,
     k_ptr,
     v_ptr,
     k_scale_ptr,
@@ -192,13 +54,20 @@ def _attend_tile(
     v_zero_ptr,
     residual_ptr,
     residual_slot_ptr,
-    table_ptr,
-    positions,
-    pos_mask,
-    visible,
-    dims,
-    dim_mask,
-    kv_head,
+    cu_seqlens_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lse_t,
+    stride_lse_h,
+    stride_table,
     stride_block,
     stride_slot,
     stride_head,
@@ -211,50 +80,122 @@ def _attend_tile(
     residual_block,
     residual_slot,
     residual_head,
-    running_max,
-    running_sum,
-    acc,
-    scale,
+    DECODE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     BITS: tl.constexpr,
     KEYS_PER_CHANNEL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One tile of cached tokens for the query rows ``q``: gather K and V through the block
-    table (dequantizing them if ``BITS`` is 8 or 4), score the ``visible`` pairs, fold them into
-    the online softmax. Codes and their scales have strides of their own (``_cache_args``);
-    keys per channel have a scale per (block, head, channel), and a partial block's keys are
-    read from the residual."""
-    blocks = tl.load(table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-    slots = positions % BLOCK_SIZE
-    rows_at = blocks * stride_block + slots * stride_slot + kv_head * stride_head
-    scales_at = blocks * scale_block + slots * scale_slot + kv_head * scale_head
-    k_scales_at = blocks * k_scale_block + slots * k_scale_slot + kv_head * k_scale_head
-    kv_mask = pos_mask[:, None] & dim_mask[None, :]
-    k = _load_rows(
-        k_ptr, k_scale_ptr, k_zero_ptr, rows_at, k_scales_at, dims, kv_mask, BITS, KEYS_PER_CHANNEL
+    """``BLOCK_M`` query rows of sequence ``program_id(0)`` against one KV head. Each row is a
+    (token, head) pair at a context position; it sees the cached tokens up to that position in
+    ``[start, end)``. Its normalized output goes to ``out`` (a split's slot for decode), and for
+    decode its log-sum-exp to ``lse`` (-inf, and an output of 0, for a split with no token)."""
+    seq = tl.program_id(0)
+    context = tl.load(context_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    if DECODE:  # rows: the query heads of KV head program_id(1); a split of the context
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        split_len = tl.cdiv(context, NUM_SPLITS)
+        start = split * split_len
+        end = tl.minimum(start + split_len, context)
+        tokens = seq + rows * 0
+        heads = kv_head * GROUP + rows
+        row_mask = rows < GROUP
+        q_positions = context - 1 + rows * 0
+    else:  # rows: tile program_id(2) of the new tokens, for query head program_id(1)
+        head = tl.program_id(1)
+        q_tile = tl.program_id(2)
+        kv_head = head // GROUP
+        split = 0
+        q_start = tl.load(cu_seqlens_ptr + seq)
+        num_new = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+        new_rows = q_tile * BLOCK_M + rows
+        tokens = q_start + new_rows
+        heads = head + rows * 0
+        row_mask = new_rows < num_new
+        q_positions = context - num_new + new_rows
+        start = 0
+        last_visible = tl.minimum(context, context - num_new + (q_tile + 1) * BLOCK_M)
+        end = tl.where(q_tile * BLOCK_M < num_new, last_visible, 0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    row_dims = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_dims,
+        other=0.0,
     )
-    if KEYS_PER_CHANNEL:
-        held = tl.load(residual_slot_ptr + blocks, mask=pos_mask, other=-1).to(tl.int64)
-        in_residual = (held >= 0)[:, None]
-        residual_at = held * residual_block + slots * residual_slot + kv_head * residual_head
-        residual = tl.load(
-            residual_ptr + residual_at[:, None] + dims[None, :],
-            mask=kv_mask & in_residual,
-            other=0.0,
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_table
+    for tile in range(start, end, BLOCK_N):
+        positions = tile + tl.arange(0, BLOCK_N)
+        pos_mask = positions < end
+        blocks = tl.load(table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+        slots = positions % BLOCK_SIZE
+        rows_at = blocks * stride_block + slots * stride_slot + kv_head * stride_head
+        scales_at = blocks * scale_block + slots * scale_slot + kv_head * scale_head
+        k_scales_at = blocks * k_scale_block + slots * k_scale_slot + kv_head * k_scale_head
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k = _load_rows(
+            k_ptr,
+            k_scale_ptr,
+            k_zero_ptr,
+            rows_at,
+            k_scales_at,
+            dims,
+            kv_mask,
+            BITS,
+            KEYS_PER_CHANNEL,
         )
-        k = tl.where(in_residual, residual.to(tl.float32), k)
-    k = k.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 1))
-    correction = tl.exp(running_max - new_max)
-    probs = tl.exp(scores - new_max[:, None])
-    running_sum = running_sum * correction + tl.sum(probs, 1)
-    v = _load_rows(v_ptr, v_scale_ptr, v_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS, False)
-    v = v.to(q.dtype)
-    acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-    return new_max, running_sum, acc
+        if KEYS_PER_CHANNEL:  # a partial block's keys are in the residual, as values
+            held = tl.load(residual_slot_ptr + blocks, mask=pos_mask, other=-1).to(tl.int64)
+            in_residual = (held >= 0)[:, None]
+            residual_at = held * residual_block + slots * residual_slot + kv_head * residual_head
+            residual = tl.load(
+                residual_ptr + residual_at[:, None] + dims[None, :],
+                mask=kv_mask & in_residual,
+                other=0.0,
+            )
+            k = tl.where(in_residual, residual.to(tl.float32), k)
+        k = k.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = pos_mask[None, :] & (positions[None, :] <= q_positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        correction = tl.exp(running_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(probs, 1)
+        v = _load_rows(
+            v_ptr, v_scale_ptr, v_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS, False
+        )
+        v = v.to(q.dtype)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        running_max = new_max
+
+    has_tokens = running_sum > 0
+    safe_sum = tl.where(has_tokens, running_sum, 1.0)
+    out = tl.where(has_tokens[:, None], acc / safe_sum[:, None], 0.0)
+    tl.store(
+        out_ptr
+        + tokens[:, None] * stride_ot
+        + heads[:, None] * stride_oh
+        + split * stride_os
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_dims,
+    )
+    if DECODE:
+        lse = tl.where(has_tokens, running_max + tl.log(safe_sum), float("-inf"))
+        tl.store(lse_ptr + seq * stride_lse_t + heads * stride_lse_h + split, lse, mask=row_mask)
 
 
 @triton.jit
@@ -278,134 +219,6 @@ def _load_rows(
             cache_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL
         )
     return rows
-
-
-@triton.jit
-def _decode_split_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    k_scale_ptr,
-    k_zero_ptr,
-    v_scale_ptr,
-    v_zero_ptr,
-    residual_ptr,
-    residual_slot_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    mid_out_ptr,
-    mid_lse_ptr,
-    scale,
-    stride_qb,
-    stride_qh,
-    stride_table,
-    stride_block,
-    stride_slot,
-    stride_head,
-    scale_block,
-    scale_slot,
-    scale_head,
-    k_scale_block,
-    k_scale_slot,
-    k_scale_head,
-    residual_block,
-    residual_slot,
-    residual_head,
-    stride_mid_b,
-    stride_mid_h,
-    stride_mid_s,
-    stride_lse_b,
-    stride_lse_h,
-    GROUP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BITS: tl.constexpr,
-    KEYS_PER_CHANNEL: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    context = tl.load(context_lens_ptr + seq)
-    split_len = tl.cdiv(context, NUM_SPLITS)
-    start = split * split_len
-    end = tl.minimum(start + split_len, context)
-
-    rows = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + rows
-    row_mask = rows < GROUP
-    dim_mask = dims < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-    running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    table_ptr = block_tables_ptr + seq * stride_table
-    for tile in range(start, end, BLOCK_N):
-        positions = tile + tl.arange(0, BLOCK_N)
-        pos_mask = positions < end
-        running_max, running_sum, acc = _attend_tile(
-            q,
-            k_ptr,
-            v_ptr,
-            k_scale_ptr,
-            k_zero_ptr,
-            v_scale_ptr,
-            v_zero_ptr,
-            residual_ptr,
-            residual_slot_ptr,
-            table_ptr,
-            positions,
-            pos_mask,
-            pos_mask[None, :],
-            dims,
-            dim_mask,
-            kv_head,
-            stride_block,
-            stride_slot,
-            stride_head,
-            scale_block,
-            scale_slot,
-            scale_head,
-            k_scale_block,
-            k_scale_slot,
-            k_scale_head,
-            residual_block,
-            residual_slot,
-            residual_head,
-            running_max,
-            running_sum,
-            acc,
-            scale,
-            BLOCK_SIZE,
-            BITS,
-            KEYS_PER_CHANNEL,
-            PRECISION,
-        )
-
-    has_tokens = running_sum > 0
-    out = tl.where(has_tokens[:, None], acc / tl.where(has_tokens, running_sum, 1.0)[:, None], 0.0)
-    lse = tl.where(
-        has_tokens, running_max + tl.log(tl.where(has_tokens, running_sum, 1.0)), float("-inf")
-    )
-    tl.store(
-        mid_out_ptr
-        + seq * stride_mid_b
-        + heads[:, None] * stride_mid_h
-        + split * stride_mid_s
-        + dims[None, :],
-        out,
-        mask=row_mask[:, None] & dim_mask[None, :],
-    )
-    tl.store(mid_lse_ptr + seq * stride_lse_b + heads * stride_lse_h + split, lse, mask=row_mask)
 
 
 @triton.jit
@@ -494,20 +307,6 @@ def _scale_strides(cache: QuantizedCache) -> list[int]:
     ]
 
 
-def _check_devices(anchor: str, tensor: torch.Tensor, **arguments: object) -> None:
-    """``ValueError`` naming the first of ``arguments`` (tensors, or ``QuantizedCache``s, whose
-    ``PLANES`` count one by one) that is not on ``tensor``'s device, e.g. "block_tables is on
-    cpu, the query on cuda:0" or "k_cache.scale is on cpu, the query on cuda:0". A device
-    comparison per tensor: it runs on every call."""
-    device = tensor.device
-    for name, value in arguments.items():
-        for plane in PLANES if isinstance(value, QuantizedCache) else (None,):
-            part = value if plane is None else getattr(value, plane)
-            if part is not None and part.device != device:
-                label = name if plane is None else f"{name}.{plane}"
-                raise ValueError(f"{label} is on {part.device}, the {anchor} on {device}")
-
-
 def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """The GQA group size; ``ValueError`` unless heads group and layouts suit the kernels."""
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -529,8 +328,8 @@ def paged_decode_attention(
     block_n: int = 64,
 ) -> torch.Tensor:
     """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K).
-    ``ValueError`` for a tensor on another device than the query (``_check_devices``)."""
-    _check_devices(
+    ``ValueError`` for a tensor on another device than the query (``check_devices``)."""
+    check_devices(
         "query",
         query,
         k_cache=k_cache,
@@ -539,9 +338,6 @@ def paged_decode_attention(
         context_lens=context_lens,
     )
     batch, num_heads, head_dim = query.shape
-    caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
-    _, block_size, num_kv_heads, _ = caches[0].shape
-    group = _check_layout(query, caches[0], caches[1])
     if num_splits is None:
         num_splits = max(1, min(16, triton.cdiv(int(context_lens.max()), 512)))
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
@@ -549,170 +345,34 @@ def paged_decode_attention(
         batch, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device
     )
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    # no cu_seqlens (context_lens stands in, never read): a decode's one new token is its last
+    _launch(
         query,
-        *caches,
+        k_cache,
+        v_cache,
+        context_lens,
         block_tables,
         context_lens,
-        mid_out,
-        mid_lse,
         scale,
-        query.stride(0),
-        query.stride(1),
-        block_tables.stride(0),
-        *cache_strides,
-        mid_out.stride(0),
-        mid_out.stride(1),
-        mid_out.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        GROUP=group,
-        BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=max(MIN_DOT, block_n),
-        NUM_SPLITS=num_splits,
-        BITS=bits,
-        KEYS_PER_CHANNEL=keys_per_channel,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        block_n,
+        outputs=(mid_out, mid_lse, *mid_out.stride()[:3], *mid_lse.stride()[:2]),
+        rows=None,
+        num_splits=num_splits,
     )
     out = torch.empty_like(query)
     _decode_merge_kernel[(batch, num_heads)](
         mid_out,
         mid_lse,
         out,
-        mid_out.stride(0),
-        mid_out.stride(1),
-        mid_out.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *mid_out.stride()[:3],
+        *mid_lse.stride()[:2],
+        *out.stride()[:2],
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
     )
     return out
-
-
-@triton.jit
-def _prefill_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    k_scale_ptr,
-    k_zero_ptr,
-    v_scale_ptr,
-    v_zero_ptr,
-    residual_ptr,
-    residual_slot_ptr,
-    cu_seqlens_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    out_ptr,
-    scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_table,
-    stride_block,
-    stride_slot,
-    stride_head,
-    scale_block,
-    scale_slot,
-    scale_head,
-    k_scale_block,
-    k_scale_slot,
-    k_scale_head,
-    residual_block,
-    residual_slot,
-    residual_head,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BITS: tl.constexpr,
-    KEYS_PER_CHANNEL: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_tile = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_ptr + seq)
-    num_new = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    context = tl.load(context_lens_ptr + seq)
-    kv_head = head // GROUP
-
-    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    row_mask = rows < num_new
-    dim_mask = dims < HEAD_DIM
-    q_positions = context - num_new + rows
-    q = tl.load(
-        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-    last_visible = tl.minimum(context, context - num_new + (q_tile + 1) * BLOCK_M)
-    kv_end = tl.where(q_tile * BLOCK_M < num_new, last_visible, 0)
-    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table_ptr = block_tables_ptr + seq * stride_table
-    for tile in range(0, kv_end, BLOCK_N):
-        positions = tile + tl.arange(0, BLOCK_N)
-        pos_mask = positions < kv_end
-        visible = pos_mask[None, :] & (positions[None, :] <= q_positions[:, None])
-        running_max, running_sum, acc = _attend_tile(
-            q,
-            k_ptr,
-            v_ptr,
-            k_scale_ptr,
-            k_zero_ptr,
-            v_scale_ptr,
-            v_zero_ptr,
-            residual_ptr,
-            residual_slot_ptr,
-            table_ptr,
-            positions,
-            pos_mask,
-            visible,
-            dims,
-            dim_mask,
-            kv_head,
-            stride_block,
-            stride_slot,
-            stride_head,
-            scale_block,
-            scale_slot,
-            scale_head,
-            k_scale_block,
-            k_scale_slot,
-            k_scale_head,
-            residual_block,
-            residual_slot,
-            residual_head,
-            running_max,
-            running_sum,
-            acc,
-            scale,
-            BLOCK_SIZE,
-            BITS,
-            KEYS_PER_CHANNEL,
-            PRECISION,
-        )
-
-    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-    tl.store(
-        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
-    )
 
 
 def paged_prefill_attention(
@@ -727,8 +387,8 @@ def paged_prefill_attention(
     block_n: int = 64,
 ) -> torch.Tensor:
     """See ``reference.paged_prefill_attention``. ``ValueError`` for a tensor on another device
-    than the query (``_check_devices``)."""
-    _check_devices(
+    than the query (``check_devices``)."""
+    check_devices(
         "query",
         query,
         k_cache=k_cache,
@@ -737,36 +397,71 @@ def paged_prefill_attention(
         block_tables=block_tables,
         context_lens=context_lens,
     )
-    _, num_heads, head_dim = query.shape
-    caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
-    block_size = caches[0].shape[1]
-    group = _check_layout(query, caches[0], caches[1])
-    num_seqs = len(context_lens)
-    longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m = max(MIN_DOT, block_m)
     out = torch.empty_like(query)
-    _prefill_kernel[(num_seqs, num_heads, triton.cdiv(longest, block_m))](
+    # one split, normalized in place: no log-sum-exp (out stands in, never written)
+    _launch(
         query,
-        *caches,
+        k_cache,
+        v_cache,
         cu_seqlens_q,
         block_tables,
         context_lens,
-        out,
         scale,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        *cache_strides,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=max(MIN_DOT, block_n),
-        BITS=bits,
-        KEYS_PER_CHANNEL=keys_per_channel,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        block_n,
+        outputs=(out, out, *out.stride()[:2], 0, 0, 0),
+        rows=max(MIN_DOT, block_m),
+        num_splits=1,
     )
     return out
+
+
+def _launch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor | QuantizedCache,
+    v_cache: torch.Tensor | QuantizedCache,
+    cu_seqlens: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    block_n: int,
+    outputs: tuple,
+    rows: int | None,
+    num_splits: int,
+) -> None:
+    """Run ``_attention_kernel`` for decode (``rows`` None: a program per (sequence, KV head,
+    split), its rows the KV head's query heads) or prefill (a program per (sequence, query head,
+    tile of ``rows`` new tokens)). ``outputs``: the output and log-sum-exp tensors and their
+    strides, as the kernel takes them."""
+    caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
+    num_seqs, num_heads, head_dim = len(context_lens), query.shape[1], query.shape[2]
+    group = _check_layout(query, caches[0], caches[1])
+    if rows is None:
+        grid, block_m = (num_seqs, num_heads // group, num_splits), triton.next_power_of_2(group)
+    else:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        grid, block_m = (num_seqs, num_heads, triton.cdiv(longest, rows)), rows
+    _attention_kernel[grid](
+        query,
+        *caches,
+        cu_seqlens,
+        block_tables,
+        context_lens,
+        *outputs[:2],
+        scale,
+        *query.stride()[:2],
+        *outputs[2:],
+        block_tables.stride(0),
+        *cache_strides,
+        DECODE=rows is None,
+        GROUP=group,
+        BLOCK_M=max(MIN_DOT, block_m),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=caches[0].shape[1],
+        BLOCK_N=max(MIN_DOT, block_n),
+        NUM_SPLITS=num_splits,
+        BITS=bits,
+        KEYS_PER_CHANNEL=keys_per_channel,
+        # fp32 dots in IEEE precision: TF32 would lose bits that the float32 tests see
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )

@@ -1,0 +1,174 @@
+"""Triton kernels that write the paged KV cache, with the signature of ``reference.store_kvcache``.
+
+- ``_store_kvcache_kernel``: one program per token copies its K and V rows into their slots.
+- ``_store_quantized_kernel``: one program per (token, KV head) row of a ``QuantizedCache``
+  (Phase 3) quantizes the row where it stands (minimum, scale, codes; INT4 packs code ``2i`` in
+  the low nibble of byte ``i``). Keys per channel go to the residual instead, and the blocks a
+  step fills are quantized by ``quantized.store_keys_per_channel`` (torch: a few blocks a step,
+  shared with the reference).
+
+A slot of -1 (padding) is skipped. Every kernel here and in ``triton_attention.py`` reads its
+tensors through raw pointers, so the wrappers first check that all of them are on one device
+(``check_devices``): a tensor elsewhere is a ``ValueError`` naming it, not a crash or garbage.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from vkv.engine.cache_engine import QuantizedCache
+from vkv.kernels.quantized import store_keys_per_channel
+from vkv.kernels.reference import refuse_non_finite
+
+PLANES = ("codes", "scale", "zero", "residual", "residual_slot")  # a QuantizedCache's tensors
+
+
+def check_devices(anchor: str, tensor: torch.Tensor, **arguments: object) -> None:
+    """``ValueError`` naming the first of ``arguments`` (tensors, or ``QuantizedCache``s, whose
+    ``PLANES`` count one by one) that is not on ``tensor``'s device, e.g. "block_tables is on
+    cpu, the query on cuda:0" or "k_cache.scale is on cpu, the query on cuda:0". A device
+    comparison per tensor: it runs on every call."""
+    device = tensor.device
+    for name, value in arguments.items():
+        for plane in PLANES if isinstance(value, QuantizedCache) else (None,):
+            part = value if plane is None else getattr(value, plane)
+            if part is not None and part.device != device:
+                label = name if plane is None else f"{name}.{plane}"
+                raise ValueError(f"{label} is on {part.device}, the {anchor} on {device}")
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    key_stride,
+    value_stride,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    mask = (offsets < ROW) & (offsets * 0 + slot >= 0)
+    target = tl.maximum(slot, 0) * ROW + offsets
+    k = tl.load(key_ptr + token * key_stride + offsets, mask=mask)
+    v = tl.load(value_ptr + token * value_stride + offsets, mask=mask)
+    tl.store(k_cache_ptr + target, k, mask=mask)
+    tl.store(v_cache_ptr + target, v, mask=mask)
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[tokens, kv_heads, head_dim]`` into their slots (-1: skip);
+    a ``QuantizedCache`` gets each (token, head) row quantized on the fly. ``ValueError`` for an
+    argument on another device than ``key`` (``check_devices``: "value is on cpu, the key on
+    cuda:0")."""
+    check_devices(
+        "key", key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
+    )
+    num_tokens, num_kv_heads, head_dim = key.shape
+    row = num_kv_heads * head_dim
+    if key.stride(-1) != 1 or key.stride(1) != head_dim or value.stride(1) != head_dim:
+        raise ValueError("key and value must be contiguous in their last two dimensions")
+    if isinstance(k_cache, QuantizedCache):
+        refuse_non_finite(key, value)  # before any write
+        pairs = [(key, k_cache), (value, v_cache)]
+        if k_cache.per_channel:
+            store_keys_per_channel(key, k_cache)
+            pairs = pairs[1:]
+        for rows, cache in pairs:
+            groups = cache.scale.shape[2]  # per KV head, or one group for all of a token's
+            codes = cache.codes.view(*cache.codes.shape[:2], groups, -1)
+            rows = rows.view(num_tokens, groups, -1)
+            width = row // groups
+            _store_quantized_kernel[(num_tokens, groups)](
+                rows,
+                codes,
+                cache.scale,
+                cache.zero,
+                slot_mapping,
+                rows.stride(0),
+                rows.stride(1),
+                codes.stride(1),
+                codes.stride(2),
+                cache.scale.stride(1),
+                cache.scale.stride(2),
+                HEAD_DIM=width,
+                BLOCK_D=max(2, triton.next_power_of_2(width)),
+                BITS=cache.bits,
+            )
+        return
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    _store_kvcache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        value.stride(0),
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
+    )
+
+
+@triton.jit
+def _store_quantized_kernel(
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    slot_ptr,
+    stride_x_token,
+    stride_x_head,
+    stride_code_slot,
+    stride_code_head,
+    stride_scale_slot,
+    stride_scale_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """One (token, KV head) row: its minimum, scale and codes (``quantizer.py``'s formulas,
+    halves rounded up rather than to even), written to the token's slot unless it is -1."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    given = tl.load(slot_ptr + token).to(tl.int64)
+    slot = tl.maximum(given, 0)
+    row_ptr = x_ptr + token * stride_x_token + head * stride_x_head
+    dims = tl.arange(0, BLOCK_D)
+    write = (dims * 0 + given) >= 0  # -1: padding, nothing written (as a vector mask)
+    in_row = dims < HEAD_DIM
+    x = tl.load(row_ptr + dims, mask=in_row, other=0.0).to(tl.float32)
+    low = tl.min(tl.where(in_row, x, float("inf")), 0)
+    high = tl.max(tl.where(in_row, x, float("-inf")), 0)
+    levels = (1 << BITS) - 1
+    step_size = (high - low) / levels
+    step = tl.where(step_size > 0, step_size, 1.0)
+    codes_at = codes_ptr + slot * stride_code_slot + head * stride_code_head
+    if BITS == 8:
+        codes = tl.minimum(tl.maximum(tl.floor((x - low) / step + 0.5), 0.0), levels)
+        tl.store(codes_at + dims, codes.to(tl.uint8), mask=in_row & write)
+    else:
+        pairs = tl.arange(0, BLOCK_D // 2)
+        in_pairs = pairs < HEAD_DIM // 2
+        even = tl.load(row_ptr + 2 * pairs, mask=in_pairs, other=0.0).to(tl.float32)
+        odd = tl.load(row_ptr + 2 * pairs + 1, mask=in_pairs, other=0.0).to(tl.float32)
+        low_codes = tl.minimum(tl.maximum(tl.floor((even - low) / step + 0.5), 0.0), levels)
+        high_codes = tl.minimum(tl.maximum(tl.floor((odd - low) / step + 0.5), 0.0), levels)
+        packed = low_codes.to(tl.int32) | (high_codes.to(tl.int32) << 4)
+        tl.store(codes_at + pairs, packed.to(tl.uint8), mask=in_pairs & ((pairs * 0 + given) >= 0))
+    first = dims < 1  # the scale and the zero, stored through the row's first lane
+    scales_at = scale_ptr + slot * stride_scale_slot + head * stride_scale_head + dims
+    zeros_at = zero_ptr + slot * stride_scale_slot + head * stride_scale_head + dims
+    tl.store(scales_at, (x * 0 + step_size).to(scale_ptr.dtype.element_ty), mask=first & write)
+    tl.store(zeros_at, (x * 0 + low).to(zero_ptr.dtype.element_ty), mask=first & write)
