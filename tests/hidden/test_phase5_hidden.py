@@ -347,9 +347,10 @@ def _expect(name: str, samples: dict, time: str = "10m") -> dict:
     }
 
 
-def _counter(rng, per_tick: int, restart: bool) -> list[int]:
-    """A counter growing ``per_tick`` a tick, restarted (from 0) at a drawn tick if asked."""
-    reset = rng.randint(END - 8, END - 1) if restart else None
+def _counter(rng, per_tick: int, restart_within: int = 0) -> list[int]:
+    """A counter growing ``per_tick`` a tick; with ``restart_within`` > 0, restarted (from 0) at
+    a drawn one of the last ``restart_within`` ticks, inside a window of as many ticks."""
+    reset = rng.randint(END - restart_within + 1, END) if restart_within else None
     values, total = [], 0
     for t in range(END + 1):
         total = per_tick if t == reset else (total + per_tick if t else 0)
@@ -361,58 +362,83 @@ def _check(tmp_path, rules, inputs, checks=(), alerts=(), rule=""):
     check_rules(tmp_path, rules, rule, inputs, checks, alerts)
 
 
-@needs_promtool
-@seeded
-def test_part4_drawn_counters_rates_per_model(rng, tmp_path):
+def _drawn_rates(rng, tmp_path, instances: tuple[int, int], restarts: float, rule: str) -> None:
+    """Counters of 1 to 3 models, ``instances`` (fewest, most) each, growing a drawn amount a
+    tick and restarted inside the window with probability ``restarts``: each model's rate is the
+    sum of its instances' increase per tick over 15 s, whatever the window."""
     window = rng.choice(["30s", "1m", "2m", "5m"])
+    ticks = WINDOWS[window] // TICK
     inputs, want = [], {stem: {} for stem in metric_rules.RATE_STEMS}
     for m in range(rng.randint(1, 3)):
-        for i in range(rng.randint(1, 3)):
+        for i in range(rng.randint(*instances)):
             for stem in metric_rules.RATE_STEMS:
                 k = rng.randint(0, 90)
-                values = _counter(rng, k, rng.random() < 0.4)
+                values = _counter(rng, k, ticks if rng.random() < restarts else 0)
                 inputs.append(_series(f"vkv_{stem}_total", values, model_name=f"m{m}", instance=i))
                 key = f'model_name="m{m}"'
                 want[stem][key] = want[stem].get(key, 0) + k / TICK
     checks = [_expect(f"model_name:vkv_{s}:rate{window}", want[s]) for s in metric_rules.RATE_STEMS]
-    rule = f"per second over {window}, summed by model_name, resets are restarts"
-    _check(tmp_path, metric_rules.rate_rules(window), inputs, checks, rule=rule)
+    _check(tmp_path, metric_rules.rate_rules(window), inputs, checks, rule=f"over {window}: {rule}")
 
 
 @needs_promtool
 @seeded
-def test_part5_drawn_lookups_give_one_ratio_per_model(rng, tmp_path):
+def test_part4_drawn_counters_give_their_increase_per_second(rng, tmp_path):
+    _drawn_rates(rng, tmp_path, (1, 1), 0.0, "a counter's increase per second, per model")
+
+
+@needs_promtool
+@seeded
+def test_part4_drawn_instances_of_a_model_add_up(rng, tmp_path):
+    _drawn_rates(rng, tmp_path, (2, 3), 0.0, "the instances' rates summed by model_name")
+
+
+@needs_promtool
+@seeded
+def test_part4_drawn_restarts_are_restarts_not_drops(rng, tmp_path):
+    _drawn_rates(rng, tmp_path, (1, 2), 1.0, "a counter back at 0 restarted: rate() counts on")
+
+
+def _drawn_lookups(rng, tmp_path, instances: tuple[int, int], idle: bool, rule: str) -> None:
+    """Hit and query counters of 2 to 4 models, ``instances`` each; with ``idle``, model m0
+    looks nothing up and m1 hits nothing. One ratio per model that looked something up."""
     window = rng.choice(["30s", "1m", "2m", "5m"])
     inputs, hits, queries = [], {}, {}
     for m in range(rng.randint(2, 4)):
-        idle = m == 0  # model m0 looked nothing up in the window
-        for i in range(rng.randint(1, 3)):
-            q = 0 if idle else rng.randint(1, 80)
-            h = rng.randint(0, q)
+        for i in range(rng.randint(*instances)):
+            q = 0 if idle and m == 0 else rng.randint(1, 80)
+            h = 0 if idle and m == 1 else rng.randint(0, q)
             key = f'model_name="m{m}"'
             hits[key], queries[key] = hits.get(key, 0) + h, queries.get(key, 0) + q
-            inputs.append(
-                _series(
-                    "vkv_prefix_cache_hits_total",
-                    _counter(rng, h, False),
-                    model_name=f"m{m}",
-                    instance=i,
-                )
-            )
-            inputs.append(
-                _series(
-                    "vkv_prefix_cache_queries_total",
-                    _counter(rng, q, False),
-                    model_name=f"m{m}",
-                    instance=i,
-                )
-            )
+            for name, per_tick in (("hits", h), ("queries", q)):
+                values = _counter(rng, per_tick)
+                labels = {"model_name": f"m{m}", "instance": i}
+                inputs.append(_series(f"vkv_prefix_cache_{name}_total", values, **labels))
     want = {key: hits[key] / queries[key] for key in hits if queries[key]}
     name = f"model_name:vkv_prefix_cache_hits_per_queries:ratio_rate{window}"
-    rule = "the ratio of the sums; no sample for a model that looked nothing up"
+    rule = f"over {window}: {rule}"
     _check(
         tmp_path, [metric_rules.hit_ratio_rule(window)], inputs, [_expect(name, want)], rule=rule
     )
+
+
+@needs_promtool
+@seeded
+def test_part5_drawn_lookups_give_hits_over_queries(rng, tmp_path):
+    _drawn_lookups(rng, tmp_path, (1, 1), False, "a model's hit tokens over its queried tokens")
+
+
+@needs_promtool
+@seeded
+def test_part5_drawn_instances_give_the_ratio_of_the_sums(rng, tmp_path):
+    _drawn_lookups(rng, tmp_path, (2, 3), False, "the ratio of the sums, not of the ratios")
+
+
+@needs_promtool
+@seeded
+def test_part5_drawn_idle_models_give_no_sample_and_no_hit_is_zero(rng, tmp_path):
+    rule = "no sample for a model that looked nothing up (0/0), 0 for one that hit nothing"
+    _drawn_lookups(rng, tmp_path, (1, 2), True, rule)
 
 
 def _quantile(q: float, buckets: list[tuple[float, float]]) -> float:
@@ -427,11 +453,12 @@ def _quantile(q: float, buckets: list[tuple[float, float]]) -> float:
     return start + (end - start) * ((rank - before) / (count - before))
 
 
-@needs_promtool
-@seeded
-def test_part6_drawn_histograms_quantiles_per_model(rng, tmp_path):
+def _drawn_quantiles(rng, tmp_path, instances: int, shifted: bool, rule: str) -> None:
+    """Both latency histograms of 1 to 3 models, ``instances`` each, observed at a drawn pace
+    per bucket and tick; with ``shifted``, at another pace before the window starts."""
     window = rng.choice(["1m", "2m", "5m"])
     seconds, ticks = WINDOWS[window], WINDOWS[window] // TICK
+    start = END - ticks if shifted else 0  # the tick the window's pace starts
     bounds = {"time_to_first_token_seconds": [0.05, 0.1, 0.25, 0.5, 1.0]}
     bounds["e2e_request_latency_seconds"] = [0.5, 1.0, 2.5, 5.0, 10.0]
     quantiles = tuple(sorted(rng.sample([0.5, 0.75, 0.9, 0.95, 0.99], 2)))
@@ -440,29 +467,30 @@ def test_part6_drawn_histograms_quantiles_per_model(rng, tmp_path):
         want = {}
         for m in range(rng.randint(1, 3)):
             summed = [0.0] * (len(finite) + 1)
-            for i in range(rng.randint(1, 2)):
-                # No bucket of a model is empty (instance 0 fills each): the quantile is then
-                # continuous in the rank, so a rank on a bucket's edge, which floating-point
-                # sums put on either side of it, gives the same answer on both.
-                per_tick = [rng.randint(int(i == 0), 4) for _ in range(len(finite) + 1)]
-                cumulative = list(itertools.accumulate(per_tick))
+            for i in range(instances):
+                # No finite bucket of a model is empty in the window (instance 0 fills each):
+                # the quantile is then continuous in the rank, so a rank on a bucket's edge,
+                # which floating-point sums put on either side of it, gives the same answer on
+                # both. Nothing lies past the last bound, or every high quantile would be that
+                # bound whatever the rule did with the buckets.
+                now = [rng.randint(int(i == 0), 4) for _ in finite] + [0]
+                before = [rng.randint(0, 4) for _ in finite] + [0] if shifted else now
+                cumulative = list(itertools.accumulate(now))
+                earlier = list(itertools.accumulate(before))
                 labels = {"model_name": f"m{m}", "instance": i}
-                for bound, c in zip([*map(str, finite), "+Inf"], cumulative, strict=True):
-                    values = [c * t for t in range(END + 1)]
+                series = [*zip([*map(str, finite), "+Inf"], cumulative, earlier, strict=True)]
+                for bound, c, e in series:
+                    values = [e * min(t, start) + c * max(0, t - start) for t in range(END + 1)]
                     inputs.append(_series(f"vkv_{histogram}_bucket", values, **labels, le=bound))
-                inputs.append(
-                    _series(
-                        f"vkv_{histogram}_count",
-                        [cumulative[-1] * t for t in range(END + 1)],
-                        **labels,
-                    )
-                )
+                count = [earlier[-1] * min(t, start) + cumulative[-1] * max(0, t - start)
+                         for t in range(END + 1)]  # fmt: skip
+                inputs.append(_series(f"vkv_{histogram}_count", count, **labels))
                 summed = [s + c * ticks / seconds for s, c in zip(summed, cumulative, strict=True)]
             pairs = list(zip([*finite, math.inf], summed, strict=True))
             for q in quantiles:
                 want[f'model_name="m{m}",quantile="{q}"'] = _quantile(q, pairs)
         checks.append(_expect(f"model_name:vkv_{histogram}:quantile_rate{window}", want))
-    rule = f"histogram_quantile of the buckets' rates summed by (model_name, le), over {window}"
+    rule = f"histogram_quantile over {window}: {rule}"
     _check(
         tmp_path, metric_rules.latency_quantile_rules(window, quantiles), inputs, checks, rule=rule
     )
@@ -470,7 +498,26 @@ def test_part6_drawn_histograms_quantiles_per_model(rng, tmp_path):
 
 @needs_promtool
 @seeded
-def test_part7_drawn_gauges_the_fullest_now_and_over_the_window(rng, tmp_path):
+def test_part6_drawn_histograms_give_each_models_quantiles(rng, tmp_path):
+    _drawn_quantiles(rng, tmp_path, 1, False, "of each model's bucket rates, by le")
+
+
+@needs_promtool
+@seeded
+def test_part6_drawn_instances_buckets_add_up_before_the_quantile(rng, tmp_path):
+    _drawn_quantiles(rng, tmp_path, 2, False, "of the buckets' rates summed by (model_name, le)")
+
+
+@needs_promtool
+@seeded
+def test_part6_drawn_observations_before_the_window_do_not_count(rng, tmp_path):
+    _drawn_quantiles(rng, tmp_path, 1, True, "of the rates in the window alone")
+
+
+def _drawn_usage(rng, tmp_path, rule_kind: str, before: float | None, rule: str) -> None:
+    """Usage gauges of both pools, 1 to 3 models of 2 or 3 instances, drawn each tick (with
+    ``before``, that value before the window); check only the rule of ``rule_kind``: ``now``
+    (the fullest instance now) or ``window`` (the largest of the instances' means)."""
     window = rng.choice(["1m", "2m", "5m"])
     samples = WINDOWS[window] // TICK + 1
     inputs, checks = [], []
@@ -478,19 +525,41 @@ def test_part7_drawn_gauges_the_fullest_now_and_over_the_window(rng, tmp_path):
         now, mean = {}, {}
         for m in range(rng.randint(1, 3)):
             key = f'model_name="m{m}"'
-            for i in range(rng.randint(1, 3)):
+            for i in range(rng.randint(2, 3)):
                 values = [rng.randint(0, 16) / 16 for _ in range(END + 1)]
+                if before is not None:
+                    values[: END + 1 - samples] = [before] * (END + 1 - samples)
                 inputs.append(
                     _series(f"vkv_{pool}_cache_usage_perc", values, model_name=f"m{m}", instance=i)
                 )
                 now[key] = max(now.get(key, 0.0), values[-1])
                 mean[key] = max(mean.get(key, 0.0), sum(values[-samples:]) / samples)
-        checks.append(_expect(f"model_name:vkv_{pool}_cache_usage_perc:max", now))
-        checks.append(
-            _expect(f"model_name:vkv_{pool}_cache_usage_perc:max_avg_over_time{window}", mean)
-        )
-    rule = f"the fullest instance now, and the largest of the instances' means over {window}"
+        if rule_kind == "now":
+            checks.append(_expect(f"model_name:vkv_{pool}_cache_usage_perc:max", now))
+        else:
+            name = f"model_name:vkv_{pool}_cache_usage_perc:max_avg_over_time{window}"
+            checks.append(_expect(name, mean))
     _check(tmp_path, metric_rules.kv_usage_rules(window), inputs, checks, rule=rule)
+
+
+@needs_promtool
+@seeded
+def test_part7_drawn_gauges_give_the_fullest_instance_now(rng, tmp_path):
+    _drawn_usage(rng, tmp_path, "now", None, "now: the fullest instance of each model")
+
+
+@needs_promtool
+@seeded
+def test_part7_drawn_gauges_give_the_largest_of_the_instances_means(rng, tmp_path):
+    rule = "over the window: each instance's mean, then the largest of a model's means"
+    _drawn_usage(rng, tmp_path, "window", None, rule)
+
+
+@needs_promtool
+@seeded
+def test_part7_drawn_usage_before_the_window_does_not_count(rng, tmp_path):
+    rule = "over the window: a full cache before the window is not in its mean"
+    _drawn_usage(rng, tmp_path, "window", 1.0, rule)
 
 
 @needs_promtool
@@ -559,6 +628,49 @@ def test_part8_drawn_storms_fire_after_their_duration(rng, tmp_path):
     _check(
         tmp_path,
         [metric_rules.preemption_storm_alert(per_second, duration, window)],
+        inputs,
+        alerts=alerts,
+        rule=rule,
+    )
+
+
+@needs_promtool
+@seeded
+def test_part8_drawn_a_dip_to_the_threshold_restarts_the_wait(rng, tmp_path):
+    threshold = rng.choice([0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9])
+    duration = rng.choice(["1m", "2m", "3m"])
+    wait = WINDOWS[duration] // TICK
+    start = rng.randint(1, 5)  # the tick usage goes above the threshold
+    dip = start + rng.randint(1, wait - 1)  # back at the threshold (not above) for one tick
+    above = rng.choice([0.96, 0.97, 0.98, 0.99])
+    values = [threshold] * start + [above] * (dip - start) + [threshold] + [above] * (wait + 6)
+    inputs = [_series("model_name:vkv_gpu_cache_usage_perc:max", values, model_name="a")]
+    fires = (dip + 1 + wait) * TICK
+    labels = {"model_name": "a", "severity": "warning"}
+    annotations = {
+        "summary": f"KV cache of a is {round(above * 100)}% full",
+        "description": f"GPU KV-cache usage above {round(threshold * 100)}% for {duration}: "
+        "new requests wait and running ones are preempted",
+    }
+    quiet = sorted({(start + wait) * TICK, fires - TICK})  # without the dip, it fired at the first
+    alerts = [
+        *(
+            {"alertname": "VkvKVCacheNearlyFull", "eval_time": f"{t}s", "exp_alerts": []}
+            for t in quiet
+        ),
+        {
+            "alertname": "VkvKVCacheNearlyFull",
+            "eval_time": f"{fires}s",
+            "exp_alerts": [{"exp_labels": labels, "exp_annotations": annotations}],
+        },
+    ]
+    rule = (
+        f"above {threshold} from {start * TICK}s, at it at {dip * TICK}s, above again: the "
+        f"{duration} of for: start again, firing from {fires}s"
+    )
+    _check(
+        tmp_path,
+        [metric_rules.kv_cache_full_alert(threshold, duration)],
         inputs,
         alerts=alerts,
         rule=rule,

@@ -8,6 +8,7 @@ sandbox), so that the guard behind the policy is tested on its own. ``test_attac
 the attacks of the grader's adversarial review.
 """
 
+import ast
 import hashlib
 import io
 import json
@@ -643,6 +644,55 @@ def test_a_part_scores_the_lower_of_its_visible_and_hidden_shares(edition, tmp_p
     assert "hidden" not in visible["output"], "no hidden share shown before the due date"
 
 
+MIN_HIDDEN_PER_PART = 3  # one failed hidden test then costs at most a third of a part
+
+
+def graded_tests(folder: Path) -> dict[str, list[str]]:
+    """The graded test functions of ``folder``'s phase files, by part (read with ``ast``)."""
+    by_part: dict[str, list[str]] = {}
+    for path in sorted(folder.glob("test_phase*.py")):
+        for node in ast.parse(path.read_text()).body:
+            part = isinstance(node, ast.FunctionDef) and results.part_of_nodeid(
+                f"{folder.relative_to(ROOT).as_posix()}/{path.name}::{node.name}"
+            )
+            if part:
+                by_part.setdefault(part, []).append(node.name)
+    return by_part
+
+
+def test_every_part_has_enough_hidden_tests_that_one_failure_costs_a_share():
+    """The score takes the lower of the visible and the hidden shares: with one or two hidden
+    tests, one honest bug that fails one of them costs the whole part, or half of it."""
+    hidden = graded_tests(ROOT / "tests/hidden")
+    few = {
+        part.id: len(hidden.get(part.id, []))
+        for part in Assignment.load(ROOT).parts
+        if len(hidden.get(part.id, [])) < MIN_HIDDEN_PER_PART
+    }
+    assert not few, f"parts with fewer than {MIN_HIDDEN_PER_PART} hidden tests: {few}"
+
+
+def test_a_bug_failing_one_hidden_test_costs_less_than_half_of_any_part():
+    """Each part scored with its real test counts: one hidden test failed, and one visible and
+    one hidden test failed (the usual honest bug), each keeps more than half the points."""
+    visible, hidden = graded_tests(ROOT / "tests"), graded_tests(ROOT / "tests/hidden")
+    for part in Assignment.load(ROOT).parts:
+        phase_file = f"test_phase{part.id.split('.')[0]}"
+        names = [f"tests/{phase_file}.py::{name}" for name in visible[part.id]]
+        names += [f"tests/hidden/{phase_file}_hidden.py::{name}" for name in hidden[part.id]]
+        first_hidden = len(visible[part.id])
+        for failing in ({first_hidden}, {0, first_hidden}):
+            tests = tuple(
+                results.TestOutcome(nodeid, "failed" if i in failing else "passed")
+                for i, nodeid in enumerate(names)
+            )
+            score = PartResult(part, tests, "failed").score
+            assert score > part.points / 2, (
+                f"part {part.id}: {len(failing)} failed of {first_hidden} visible and "
+                f"{len(names) - first_hidden} hidden tests scores {score} of {part.points}"
+            )
+
+
 def test_stub_edition_scores_zero_and_reference_full_marks_three_times(edition):
     assert grade(edition, edition, parts=PARTS).score == 0
     full = [grade(ROOT, edition, parts=PARTS) for _ in range(3)]
@@ -848,6 +898,21 @@ def test_a_piped_table_holds_every_title_whole():
     report.print_table(result, Console(file=out))  # a file: no terminal
     for part in parts:
         assert part.title in out.getvalue(), f"{part.title!r} is cut in the piped table"
+
+
+def test_a_failing_test_is_named_with_its_phase_and_its_part():
+    """``test_part1_...`` of ``test_phase2.py`` is part 2.1's: the table names both."""
+    part = Assignment.load(ROOT).part("2.1")
+    tests = (
+        results.TestOutcome("tests/test_phase2.py::test_part1_admits_waiting_prompts", "failed"),
+        results.TestOutcome("tests/hidden/test_phase2_hidden.py::test_part1_drawn", "failed"),
+    )
+    out = io.StringIO()
+    report.print_table(GradeReport([PartResult(part, tests, "failed")]), Console(file=out))
+    assert (
+        "part 2.1 failing: test_phase2.py::test_part1_admits_waiting_prompts, "
+        "test_phase2_hidden.py::test_part1_drawn"
+    ) in out.getvalue()
 
 
 @pytest.mark.parametrize(

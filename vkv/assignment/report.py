@@ -196,7 +196,7 @@ def print_table(report: GradeReport, console: Console) -> None:
         console.width = PIPED_WIDTH  # no terminal wraps it: a piped table keeps its rows whole
     console.print(table)
     for result in report.parts:
-        failing = [t.nodeid.partition("::")[2] for t in result.tests if t.outcome != "passed"]
+        failing = [t.short_id for t in result.tests if t.outcome != "passed"]
         if failing and result.status != "not started":
             shown = ", ".join(failing[:FAILING_SHOWN])
             more = len(failing) - FAILING_SHOWN
@@ -226,7 +226,9 @@ def _sandbox_line(report: GradeReport) -> str:
     """How the grade ran, with its seed; for a progress check, the note saying why it is one."""
     where = "in a bubblewrap sandbox" if report.sandboxed else "without a sandbox"
     line = f"graded {where}, seed {report.seed}"
-    return f"{report.note[0].upper()}{report.note[1:]} ({line})" if report.progress_check else line
+    if not (report.progress_check and report.note):
+        return line
+    return f"{report.note[0].upper()}{report.note[1:]} ({line})"
 
 
 def _clip(text: str) -> str:

@@ -30,6 +30,13 @@ class TestOutcome:
     def hidden(self) -> bool:
         return is_hidden(self.nodeid)
 
+    @property
+    def short_id(self) -> str:
+        """The file's name and the test's, which name its phase and its part:
+        ``test_phase2.py::test_part1_admits...`` is a test of part 2.1."""
+        file, _, name = self.nodeid.partition("::")
+        return f"{Path(file).name}::{name}"
+
 
 RunResult = tuple[list[TestOutcome], str, str]  # one test process: outcomes, status, detail
 
