@@ -249,12 +249,17 @@ def write_monitoring(folder: Path, port: int = 8000) -> list[Path]:
     return written
 
 
-def start_prometheus(target: str, folder: Path, port: int) -> tuple[subprocess.Popen, str]:
+def start_prometheus(
+    target: str, folder: Path, port: int, groups: dict | None = None
+) -> tuple[subprocess.Popen, str]:
     """Debian's ``prometheus`` on 127.0.0.1:``port``, scraping ``target`` (host:port) and
-    evaluating the rules of ``rules.py`` every second, its data in ``folder`` (checks and
-    pictures; ``terminate()`` the process)."""
+    evaluating every second the rules of ``rules.py`` (or ``groups``, a rules file's content),
+    its data in ``folder`` (checks and pictures; ``terminate()`` the process)."""
     config = folder / "prometheus.yml"
-    write_rules(folder / "rules.yml")
+    if groups is None:
+        write_rules(folder / "rules.yml")
+    else:
+        (folder / "rules.yml").write_text(json.dumps(groups, indent=2) + "\n")
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"rule_files: ['{folder / 'rules.yml'}']\n"
