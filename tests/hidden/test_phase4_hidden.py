@@ -841,6 +841,45 @@ def test_part5_a_merge_hashes_only_the_blocks_filled_since_the_last(rng):
     )
 
 
+@seeded
+def test_part5_each_sequence_locks_its_cached_path_until_it_is_released(rng):
+    size = rng.randint(1, 4)
+    bases = [[rng.randrange(5) for _ in range(size * rng.randint(1, 3))] for _ in range(3)]
+    m = new_manager(size, 400)
+    seqs = []
+    for seq_id in range(rng.randint(2, 6)):
+        tokens = rng.choice(bases) + [rng.randrange(5) for _ in range(rng.randint(1, 3 * size))]
+        seqs.append(place(m, seq_id, tokens))
+
+    def locked_blocks(live):  # the tree's blocks of every live sequence's computed full blocks
+        return {b for seq in live for b in seq.block_table[: seq.num_computed_tokens // size]}
+
+    for _ in range(6):
+        for seq in seqs:
+            seq.num_computed_tokens = min(
+                seq.num_tokens, seq.num_computed_tokens + rng.randint(0, 2 * size)
+            )
+        m._merge_computed()
+        want = len(locked_blocks(seqs))
+        assert m.tree.protected_size == want, (
+            f"each sequence locks the path of its merged blocks (one lock, at its end): "
+            f"{want} blocks protected, got {m.tree.protected_size}"
+        )
+    rng.shuffle(seqs)
+    while seqs:
+        gone = seqs.pop()
+        m._release(gone)
+        want = len(locked_blocks(seqs))
+        assert m.tree.protected_size == want, (
+            f"released sequence {gone.seq_id}: only the others' paths stay locked, {want} "
+            f"blocks; got {m.tree.protected_size}"
+        )
+        assert gone.seq_id not in m._locked and gone.seq_id not in m._num_cached, (
+            f"release forgets sequence {gone.seq_id}'s records"
+        )
+    assert m.tree.evictable_size == m.tree.total_size == len(tree_paths(m))
+
+
 # ---- Part 4.6 ---------------------------------------------------------------------------------
 
 
@@ -878,6 +917,39 @@ def test_part6_make_room_evicts_what_the_free_list_lacks_oldest_prefix_first(rng
     assert len(m.gpu_allocator.evictor) == m.tree.evictable_size
     evicted = [b for i in gone for b in prefixes[i]]
     assert all(m.gpu_allocator.blocks[b].content_hash is None for b in evicted)
+
+
+@seeded
+def test_part6_after_make_room_the_free_list_serves_and_the_evictor_is_the_tree(rng):
+    size = rng.randint(1, 4)
+    pool = rng.randint(8, 24)
+    m = new_manager(size, pool)
+    stems = [[rng.randrange(3) for _ in range(size * rng.randint(1, 2))] for _ in range(2)]
+    for _ in range(rng.randint(2, 6)):
+        tokens = rng.choice(stems) + [rng.randrange(3) for _ in range(size * rng.randint(1, 2))]
+        if len(tokens) // size > pool - m.tree.total_size:
+            break
+        radix_trees.seed_prefix(m, tokens)
+    before, uncached = dict(tree_paths(m)), pool - m.tree.total_size
+    asked = rng.randint(0, pool + 3)
+    m._make_room(asked)
+    free_list = pool - m.tree.total_size
+    if asked <= uncached:
+        assert tree_paths(m) == before, (
+            f"{asked} asked for, {uncached} uncached free blocks: nothing is evicted"
+        )
+    else:
+        assert free_list >= min(asked, pool), (
+            f"{asked} asked for: at least {min(asked, pool)} uncached free blocks after "
+            f"make_room (everything evictable when more than the pool), got {free_list}"
+        )
+    kept = dict(tree_paths(m))
+    taken = [m.gpu_allocator.allocate().block_id for _ in range(min(asked, free_list))]
+    assert tree_paths(m) == kept and not set(taken) & set(kept.values()), (
+        f"the {len(taken)} blocks asked for come from the free list, never from the tree's "
+        f"evictable blocks {sorted(kept.values())}: got {taken}"
+    )
+    assert len(m.gpu_allocator.evictor) == m.tree.evictable_size == len(kept)
 
 
 # ---- Part 4.7 ---------------------------------------------------------------------------------
@@ -946,6 +1018,35 @@ def test_part7_can_allocate_charges_only_the_uncached_blocks_in_use(rng):
         f"{other.num_blocks} blocks, {len(shared) // size} cached and in use, {free} free: "
         f"expected {expected.name}"
     )
+
+
+@seeded
+def test_part7_allocations_lock_their_hits_and_misses_lock_nothing(rng):
+    size = rng.randint(1, 4)
+    m = new_manager(size, 300)
+    cached = [
+        [rng.randrange(4) for _ in range(size * rng.randint(1, 5))]
+        for _ in range(rng.randint(1, 3))
+    ]
+    for tokens in cached:
+        radix_trees.seed_prefix(m, tokens)
+    hit_blocks: set[int] = set()
+    for seq_id in range(rng.randint(2, 6)):
+        if rng.random() < 0.7:
+            base = rng.choice(cached)
+            tokens = base[: rng.randint(1, len(base))] + [rng.randrange(4) for _ in range(3)]
+        else:  # a miss: a first token no cached prefix starts with
+            tokens = [9] + [rng.randrange(4) for _ in range(rng.randint(0, 3 * size))]
+        seq = Sequence(seq_id, tokens, size)
+        m.allocate(seq)
+        hit = seq.num_computed_tokens // size
+        hit_blocks |= set(seq.block_table[:hit])
+        assert m.tree.protected_size == len(hit_blocks), (
+            f"prompt {tokens} hit {hit} blocks: each admission locks the path of its hit (a "
+            f"miss locks nothing); {len(hit_blocks)} blocks protected, got "
+            f"{m.tree.protected_size}"
+        )
+        assert m.tree.evictable_size == m.tree.total_size - len(hit_blocks)
 
 
 # ---- Part 4.8 ---------------------------------------------------------------------------------
@@ -1155,3 +1256,31 @@ def test_part9_swap_out_then_in_goes_back_onto_the_trees_blocks(rng):
     m.append_slot(seq)
     assert seq.block_table[: len(cached)] == cached, "the next decode merges it back"
     check_manager(m, [seq])
+
+
+@seeded
+def test_part9_prompts_admitted_together_share_their_full_blocks_from_the_first_decode(rng):
+    size = rng.randint(1, 4)
+    bases = [[rng.randrange(3) for _ in range(size * rng.randint(1, 3))] for _ in range(2)]
+    m = new_manager(size, 300)
+    seqs = []
+    for seq_id in range(rng.randint(2, 6)):
+        tail = [rng.randrange(3) for _ in range(rng.randint(0, 2 * size))]
+        seq = Sequence(seq_id, rng.choice(bases) + tail, size)
+        m.allocate(seq)  # nothing is cached yet: every prompt computes all its blocks
+        seqs.append(seq)
+    for seq in seqs:  # the prefill step computed every prompt; each decodes its first token
+        seq.num_computed_tokens = seq.num_tokens
+        seq.append_token(rng.randrange(3))
+    for seq in seqs:
+        m.append_slot(seq)
+    full = {tuple(seq.token_ids[: (i + 1) * size]) for seq in seqs
+            for i in range((seq.num_tokens - 1) // size)}  # fmt: skip
+    private = sum(len(seq.block_table) - (seq.num_tokens - 1) // size for seq in seqs)
+    distinct = {b for seq in seqs for b in seq.block_table}
+    assert len(distinct) == len(full) + private, (
+        f"after their first decodes the prompts' full blocks are merged: one block per cached "
+        f"prefix ({len(full)}) plus each sequence's own blocks ({private}), "
+        f"{len(full) + private} in all; the tables hold {len(distinct)}"
+    )
+    check_manager(m, seqs)
