@@ -580,6 +580,47 @@ def test_part5_every_token_of_a_step_reads_back_within_half_a_step(rng):
 
 
 @seeded
+def test_part5_a_step_overwrites_its_slots_and_keeps_every_other_slots_bytes(rng):
+    for _ in range(4):
+        layout = draw_layout(rng)
+        slots_in_cache = layout["blocks"] * layout["block_size"]
+        tokens = rng.randint(1, slots_in_cache)
+        slots = rng.sample(range(slots_in_cache), tokens)
+        g = generator(rng)
+        shape = (tokens, layout["heads"], layout["dim"])
+        key, value = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        k_cache, v_cache = new_cache(layout, fill=g), new_cache(layout, fill=g)  # old content
+        before = [plane.clone() for c in (k_cache, v_cache) for plane in (c.codes, c.scale, c.zero)]
+        quantized_kernels.store_quantized(key, value, k_cache, v_cache, torch.tensor(slots))
+        after = [plane for c in (k_cache, v_cache) for plane in (c.codes, c.scale, c.zero)]
+        kept = sorted(set(range(slots_in_cache)) - set(slots))
+        for old, new_plane in zip(before, after, strict=True):
+            flat_old, flat_new = (
+                old.reshape(slots_in_cache, -1),
+                new_plane.reshape(slots_in_cache, -1),
+            )
+            assert torch.equal(flat_old[kept], flat_new[kept]), (
+                f"slots outside the step's {sorted(slots)} keep every byte they held ({layout})"
+            )
+        width = layout["heads"] * layout["dim"] // layout["groups"]
+        levels = 2 ** layout["bits"] - 1
+        for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
+            for token, slot in enumerate(slots):
+                row, back = x[token].reshape(-1).double().tolist(), slot_values(cache, slot)
+                for g0 in range(0, len(row), width):
+                    group = row[g0 : g0 + width]
+                    allowed = (max(group) - min(group)) / levels / 2 + 1e-5 * max(map(abs, group))
+                    worst = max(
+                        abs(a - b) for a, b in zip(group, back[g0 : g0 + width], strict=True)
+                    )
+                    assert worst <= allowed * (1 + 1e-3) + 1e-6, (
+                        f"{what}, token {token} at slot {slot}, which held other codes: the step "
+                        f"replaces them (no byte of the old content may survive, INT4's two "
+                        f"nibbles included); it reads back off by {worst:.4g} ({layout})"
+                    )
+
+
+@seeded
 def test_part5_a_non_finite_token_anywhere_writes_nothing(rng):
     for _ in range(4):
         layout = draw_layout(rng)
@@ -871,6 +912,42 @@ def test_part7_apply_on_drawn_moves_keeps_exactly_the_partial_blocks_rows(rng):
             f"CPU blocks holding rows must be {cpu} (partial CPU blocks {sorted(partial_cpu)}), "
             f"got {got_cpu}"
         )
+
+
+@seeded
+def test_part7_a_full_residual_gives_slots_back_before_it_takes_any(rng):
+    for _ in range(5):
+        num_slots = rng.randint(2, 6)
+        residual = KeyResidual(1, 2, 1, 2, torch.float32, 32, num_slots, torch.device("cpu"))
+        blocks = rng.sample(range(32), 3 * num_slots)
+        held, others = blocks[:num_slots], blocks[num_slots:]
+        for b in held:  # every slot in use
+            residual.keys[:, residual._take(b)] = float(b + 1)
+        dropped = rng.sample(held, rng.randint(1, num_slots))  # no partial block after the step
+        kept = [b for b in held if b not in dropped]
+        arriving = rng.randint(1, len(dropped))  # as many new partial blocks at most
+        copied = rng.randint(0, arriving) if kept else 0
+        targets = others[:arriving]
+        copies = [(rng.choice(kept), d) for d in targets[:copied]]
+        swap_in = {}
+        for i, g in enumerate(targets[copied:]):
+            swap_in[100 + i] = g
+            residual._swapped[100 + i] = torch.full_like(residual.keys[:, 0], 500.0 + i)
+        partial_gpu = set(kept) | set(targets)
+        try:
+            residual.apply({}, swap_in, copies, partial_gpu, set())
+        except RuntimeError as error:
+            pytest.fail(
+                f"{num_slots} slots, all in use; {sorted(dropped)} are no partial block after "
+                f"the step, and {len(targets)} blocks arrive (swap-ins {swap_in}, copies "
+                f"{copies}): their slots must be given back before any is taken ({error})",
+                pytrace=False,
+            )
+        assert set(residual._slots) == partial_gpu, (
+            f"after apply the blocks holding slots are the partial ones, {sorted(partial_gpu)}; "
+            f"got {sorted(residual._slots)}"
+        )
+        assert len(residual._free) == num_slots - len(partial_gpu), "every other slot is free"
 
 
 class StoredTokens:
