@@ -536,6 +536,26 @@ def touched(cache: QuantizedCache) -> set[int]:
     return set(changed.nonzero().flatten().tolist())
 
 
+def assert_reads_back(cache, x, slots, layout, what, held) -> None:
+    """Each token of ``x`` stored at its slot (-1: skipped) reads back from ``cache`` within half
+    a step (scale / 2) of its group, channel by channel."""
+    width = layout["heads"] * layout["dim"] // layout["groups"]
+    levels = 2 ** layout["bits"] - 1
+    for token, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        row, back = x[token].reshape(-1).double().tolist(), slot_values(cache, slot)
+        for g0 in range(0, len(row), width):
+            group = row[g0 : g0 + width]
+            step = (max(group) - min(group)) / levels
+            allowed = step / 2 + 1e-5 * max(1.0, max(abs(v) for v in group))
+            worst = max(abs(a - b) for a, b in zip(group, back[g0 : g0 + width], strict=True))
+            assert worst <= allowed * (1 + 1e-3), (
+                f"{what}, token {token} at slot {slot}{held}: a group of {width} channels reads "
+                f"back within scale / 2 = {step / 2:.4g}; off by {worst:.4g} ({layout})"
+            )
+
+
 @seeded
 def test_part5_every_token_of_a_step_reads_back_within_half_a_step(rng):
     for _ in range(4):
@@ -558,25 +578,7 @@ def test_part5_every_token_of_a_step_reads_back_within_half_a_step(rng):
                 f"{what}: only the step's slots {sorted(stored)} change (-1 is padding); "
                 f"changed: {sorted(touched(cache))} ({layout})"
             )
-            width = layout["heads"] * layout["dim"] // layout["groups"]
-            levels = 2 ** layout["bits"] - 1
-            for token, slot in enumerate(slots):
-                if slot < 0:
-                    continue
-                row = x[token].reshape(-1).double().tolist()
-                back = slot_values(cache, slot)
-                for g0 in range(0, len(row), width):
-                    group = row[g0 : g0 + width]
-                    step = (max(group) - min(group)) / levels
-                    allowed = step / 2 + 1e-5 * max(1.0, max(abs(v) for v in group))
-                    worst = max(
-                        abs(a - b) for a, b in zip(group, back[g0 : g0 + width], strict=True)
-                    )
-                    assert worst <= allowed * (1 + 1e-3), (
-                        f"{what}, token {token} at slot {slot}: a group of {width} channels "
-                        f"reads back within scale / 2 = {step / 2:.4g}; off by {worst:.4g} "
-                        f"({layout})"
-                    )
+            assert_reads_back(cache, x, slots, layout, what, "")
 
 
 @seeded
@@ -599,25 +601,13 @@ def test_part5_a_step_overwrites_its_slots_and_keeps_every_other_slots_bytes(rng
                 old.reshape(slots_in_cache, -1),
                 new_plane.reshape(slots_in_cache, -1),
             )
-            assert torch.equal(flat_old[kept], flat_new[kept]), (
-                f"slots outside the step's {sorted(slots)} keep every byte they held ({layout})"
+            changed = [s for s in kept if not equal(flat_old[s], flat_new[s])]
+            assert not changed, (
+                f"slots outside the step's {sorted(slots)} keep every byte they held; slots "
+                f"{changed} changed ({layout})"
             )
-        width = layout["heads"] * layout["dim"] // layout["groups"]
-        levels = 2 ** layout["bits"] - 1
         for cache, x, what in ((k_cache, key, "keys"), (v_cache, value, "values")):
-            for token, slot in enumerate(slots):
-                row, back = x[token].reshape(-1).double().tolist(), slot_values(cache, slot)
-                for g0 in range(0, len(row), width):
-                    group = row[g0 : g0 + width]
-                    allowed = (max(group) - min(group)) / levels / 2 + 1e-5 * max(map(abs, group))
-                    worst = max(
-                        abs(a - b) for a, b in zip(group, back[g0 : g0 + width], strict=True)
-                    )
-                    assert worst <= allowed * (1 + 1e-3) + 1e-6, (
-                        f"{what}, token {token} at slot {slot}, which held other codes: the step "
-                        f"replaces them (no byte of the old content may survive, INT4's two "
-                        f"nibbles included); it reads back off by {worst:.4g} ({layout})"
-                    )
+            assert_reads_back(cache, x, slots, layout, what, ", which held other codes")
 
 
 @seeded
@@ -947,7 +937,10 @@ def test_part7_a_full_residual_gives_slots_back_before_it_takes_any(rng):
             f"after apply the blocks holding slots are the partial ones, {sorted(partial_gpu)}; "
             f"got {sorted(residual._slots)}"
         )
-        assert len(residual._free) == num_slots - len(partial_gpu), "every other slot is free"
+        assert len(residual._free) == num_slots - len(partial_gpu), (
+            f"the {num_slots - len(partial_gpu)} slots no partial block holds are free after "
+            f"apply; {len(residual._free)} are"
+        )
 
 
 class StoredTokens:

@@ -877,7 +877,10 @@ def test_part5_each_sequence_locks_its_cached_path_until_it_is_released(rng):
         assert gone.seq_id not in m._locked and gone.seq_id not in m._num_cached, (
             f"release forgets sequence {gone.seq_id}'s records"
         )
-    assert m.tree.evictable_size == m.tree.total_size == len(tree_paths(m))
+    assert m.tree.evictable_size == m.tree.total_size == len(tree_paths(m)), (
+        f"every sequence released: all {len(tree_paths(m))} cached blocks are unlocked, "
+        f"evictable; the tree counts {m.tree.evictable_size} evictable of {m.tree.total_size}"
+    )
 
 
 # ---- Part 4.6 ---------------------------------------------------------------------------------
@@ -933,7 +936,7 @@ def test_part6_after_make_room_the_free_list_serves_and_the_evictor_is_the_tree(
     before, uncached = dict(tree_paths(m)), pool - m.tree.total_size
     asked = rng.randint(0, pool + 3)
     m._make_room(asked)
-    free_list = pool - m.tree.total_size
+    free_list = m.gpu_allocator.num_free_blocks - len(m.gpu_allocator.evictor)
     if asked <= uncached:
         assert tree_paths(m) == before, (
             f"{asked} asked for, {uncached} uncached free blocks: nothing is evicted"
@@ -949,7 +952,10 @@ def test_part6_after_make_room_the_free_list_serves_and_the_evictor_is_the_tree(
         f"the {len(taken)} blocks asked for come from the free list, never from the tree's "
         f"evictable blocks {sorted(kept.values())}: got {taken}"
     )
-    assert len(m.gpu_allocator.evictor) == m.tree.evictable_size == len(kept)
+    assert len(m.gpu_allocator.evictor) == m.tree.evictable_size == len(kept), (
+        f"the Evictor holds exactly the tree's {len(kept)} unlocked blocks: got "
+        f"{len(m.gpu_allocator.evictor)} in the Evictor, {m.tree.evictable_size} evictable"
+    )
 
 
 # ---- Part 4.7 ---------------------------------------------------------------------------------
@@ -1046,7 +1052,10 @@ def test_part7_allocations_lock_their_hits_and_misses_lock_nothing(rng):
             f"miss locks nothing); {len(hit_blocks)} blocks protected, got "
             f"{m.tree.protected_size}"
         )
-        assert m.tree.evictable_size == m.tree.total_size - len(hit_blocks)
+        assert m.tree.evictable_size == m.tree.total_size - len(hit_blocks), (
+            f"every cached block no admission hit stays evictable: "
+            f"{m.tree.total_size - len(hit_blocks)}, got {m.tree.evictable_size}"
+        )
 
 
 # ---- Part 4.8 ---------------------------------------------------------------------------------

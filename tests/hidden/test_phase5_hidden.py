@@ -562,6 +562,40 @@ def test_part7_drawn_usage_before_the_window_does_not_count(rng, tmp_path):
     _drawn_usage(rng, tmp_path, "window", 1.0, rule)
 
 
+def _check_kv_alert(tmp_path, values, threshold, duration, quiet, fires, rule) -> None:
+    """The KV alert on ``values`` of the fullest-instance series: silent at the times of
+    ``quiet``, firing at ``fires`` (seconds) with the labels and annotations of the handout."""
+    inputs = [_series("model_name:vkv_gpu_cache_usage_perc:max", values, model_name="a")]
+    annotations = {
+        "summary": f"KV cache of a is {round(values[fires // TICK] * 100)}% full",
+        "description": f"GPU KV-cache usage above {round(threshold * 100)}% for {duration}: "
+        "new requests wait and running ones are preempted",
+    }
+    alerts = [
+        *(
+            {"alertname": "VkvKVCacheNearlyFull", "eval_time": f"{t}s", "exp_alerts": []}
+            for t in sorted(set(quiet))
+        ),
+        {
+            "alertname": "VkvKVCacheNearlyFull",
+            "eval_time": f"{fires}s",
+            "exp_alerts": [
+                {
+                    "exp_labels": {"model_name": "a", "severity": "warning"},
+                    "exp_annotations": annotations,
+                }
+            ],
+        },
+    ]
+    _check(
+        tmp_path,
+        [metric_rules.kv_cache_full_alert(threshold, duration)],
+        inputs,
+        alerts=alerts,
+        rule=rule,
+    )
+
+
 @needs_promtool
 @seeded
 def test_part8_drawn_thresholds_fire_after_their_duration(rng, tmp_path):
@@ -571,32 +605,11 @@ def test_part8_drawn_thresholds_fire_after_their_duration(rng, tmp_path):
     start = rng.randint(1, 10)  # the tick usage goes above the threshold
     above = rng.choice([0.96, 0.97, 0.98, 0.99])
     values = [threshold] * start + [above] * (start + wait + 5)
-    inputs = [_series("model_name:vkv_gpu_cache_usage_perc:max", values, model_name="a")]
     fires = (start + wait) * TICK
-    labels = {"model_name": "a", "severity": "warning"}
-    annotations = {
-        "summary": f"KV cache of a is {round(above * 100)}% full",
-        "description": f"GPU KV-cache usage above {round(threshold * 100)}% for {duration}: "
-        "new requests wait and running ones are preempted",
-    }
-    alerts = [
-        {"alertname": "VkvKVCacheNearlyFull", "eval_time": f"{fires - TICK}s", "exp_alerts": []},
-        {
-            "alertname": "VkvKVCacheNearlyFull",
-            "eval_time": f"{fires}s",
-            "exp_alerts": [{"exp_labels": labels, "exp_annotations": annotations}],
-        },
-    ]
     rule = (
         f"above {threshold} from {start * TICK}s for {duration}: firing from {fires}s, not before"
     )
-    _check(
-        tmp_path,
-        [metric_rules.kv_cache_full_alert(threshold, duration)],
-        inputs,
-        alerts=alerts,
-        rule=rule,
-    )
+    _check_kv_alert(tmp_path, values, threshold, duration, [fires - TICK], fires, rule)
 
 
 @needs_promtool
@@ -644,34 +657,10 @@ def test_part8_drawn_a_dip_to_the_threshold_restarts_the_wait(rng, tmp_path):
     dip = start + rng.randint(1, wait - 1)  # back at the threshold (not above) for one tick
     above = rng.choice([0.96, 0.97, 0.98, 0.99])
     values = [threshold] * start + [above] * (dip - start) + [threshold] + [above] * (wait + 6)
-    inputs = [_series("model_name:vkv_gpu_cache_usage_perc:max", values, model_name="a")]
     fires = (dip + 1 + wait) * TICK
-    labels = {"model_name": "a", "severity": "warning"}
-    annotations = {
-        "summary": f"KV cache of a is {round(above * 100)}% full",
-        "description": f"GPU KV-cache usage above {round(threshold * 100)}% for {duration}: "
-        "new requests wait and running ones are preempted",
-    }
-    quiet = sorted({(start + wait) * TICK, fires - TICK})  # without the dip, it fired at the first
-    alerts = [
-        *(
-            {"alertname": "VkvKVCacheNearlyFull", "eval_time": f"{t}s", "exp_alerts": []}
-            for t in quiet
-        ),
-        {
-            "alertname": "VkvKVCacheNearlyFull",
-            "eval_time": f"{fires}s",
-            "exp_alerts": [{"exp_labels": labels, "exp_annotations": annotations}],
-        },
-    ]
+    quiet = [(start + wait) * TICK, fires - TICK]  # without the dip, it fired at the first
     rule = (
         f"above {threshold} from {start * TICK}s, at it at {dip * TICK}s, above again: the "
         f"{duration} of for: start again, firing from {fires}s"
     )
-    _check(
-        tmp_path,
-        [metric_rules.kv_cache_full_alert(threshold, duration)],
-        inputs,
-        alerts=alerts,
-        rule=rule,
-    )
+    _check_kv_alert(tmp_path, values, threshold, duration, quiet, fires, rule)
