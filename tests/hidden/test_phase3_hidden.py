@@ -926,6 +926,8 @@ def test_part7_a_full_residual_gives_slots_back_before_it_takes_any(rng):
         partial_gpu = set(kept) | set(targets)
         try:
             residual.apply({}, swap_in, copies, partial_gpu, set())
+        except NotImplementedError:  # a RuntimeError too: the stub's, which the check must see
+            raise
         except RuntimeError as error:
             pytest.fail(
                 f"{num_slots} slots, all in use; {sorted(dropped)} are no partial block after "
