@@ -15,7 +15,8 @@ differ (``DECODE``):
   tokens); its rows are those tokens, each seeing the context up to its own position (causal);
   the context before the new tokens is visible to all.
 
-A decode's row sits at the last position of its context, so one causal rule serves both.
+A decode's row sits at the last position of its context: it sees every cached token, so only
+prefill masks by position (causal), and decode's tiles skip that comparison.
 
 A quantized cache (``QuantizedCache``, Phase 3) goes through the same kernel: a tile loads codes,
 scales and zeros and dequantizes them in registers before the dot products (``_load_rows`` calls
@@ -108,7 +109,6 @@ def _attention_kernel(
         tokens = seq + rows * 0
         heads = kv_head * GROUP + rows
         row_mask = rows < GROUP
-        q_positions = context - 1 + rows * 0
     else:  # rows: tile program_id(2) of the new tokens, for query head program_id(1)
         head = tl.program_id(1)
         q_tile = tl.program_id(2)
@@ -168,7 +168,10 @@ def _attention_kernel(
             k = tl.where(in_residual, residual.to(tl.float32), k)
         k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = pos_mask[None, :] & (positions[None, :] <= q_positions[:, None])
+        if DECODE:  # every cached token of the split precedes the one new token
+            visible = pos_mask[None, :]
+        else:  # causal: a new token sees the context up to its own position
+            visible = pos_mask[None, :] & (positions[None, :] <= q_positions[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         correction = tl.exp(running_max - new_max)
