@@ -10,10 +10,11 @@
  *
  * A call computes the whole batch, one sequence per iteration of an OpenMP loop (without
  * -fopenmp, one thread). Layouts, all contiguous:
- *   query, out     [batch, num_heads, head_dim]
+ *   query          [batch, num_heads, head_dim], a sequence's row query_stride floats apart
+ *   out            [batch, num_heads, head_dim]
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables   [batch, table_width] int32 (entries past a sequence's blocks are not read)
- *   context_lens   [batch] int32, each at least 1
+ *   context_lens   [batch] int32 (0: a padded row, which attends to nothing: its output is 0)
  */
 #include <math.h>
 #include <stdint.h>
@@ -97,7 +98,7 @@ static inline float exp_nonpositive(float x) {
 static int valid_table(const int32_t *table, int64_t context, int64_t block_size,
                        int64_t table_width, int64_t num_blocks) {
     const int64_t blocks = (context + block_size - 1) / block_size;
-    if (context < 1 || blocks > table_width)
+    if (context < 0 || blocks > table_width)
         return 0;
     for (int64_t b = 0; b < blocks; ++b)
         if (table[b] < 0 || table[b] >= num_blocks)
@@ -120,7 +121,7 @@ int vkv_paged_decode_f32(const float *query, const float *k_cache, const float *
                          const int32_t *block_tables, const int32_t *context_lens, float *out,
                          int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t table_width, int64_t num_blocks,
-                         float scale) {
+                         int64_t query_stride, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
@@ -133,7 +134,7 @@ int vkv_paged_decode_f32(const float *query, const float *k_cache, const float *
         float weight[block_size];
         const int32_t *table = block_tables + seq * table_width;
         const int64_t context = context_lens[seq];
-        const float *q = query + seq * num_heads * head_dim;
+        const float *q = query + seq * query_stride;
         if (!valid_table(table, context, block_size, table_width, num_blocks)) {
 #pragma omp atomic write
             status = -1;
@@ -181,7 +182,7 @@ int vkv_paged_decode_f32(const float *query, const float *k_cache, const float *
         float *o = out + seq * num_heads * head_dim;
         for (int64_t h = 0; h < num_heads; ++h)
             for (int64_t d = 0; d < head_dim; ++d)
-                o[h * head_dim + d] = acc[h][d] / total[h];
+                o[h * head_dim + d] = context ? acc[h][d] / total[h] : 0.0f;
     }
     return status;
 }

@@ -31,8 +31,10 @@ def store_kvcache(
 
     A slot of -1 (padding) is skipped.
     """
-    if isinstance(k_cache, QuantizedCache):
-        quantized.store_quantized(key, value, k_cache, v_cache, slot_mapping)
+    if isinstance(k_cache, QuantizedCache):  # contiguous: the student's code may view any rows
+        quantized.store_quantized(
+            key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping
+        )
         return
     keep = slice(None)  # every token: no padding (the engine's steps), no mask to apply
     if len(slot_mapping) and int(slot_mapping.min()) < 0:
@@ -116,7 +118,7 @@ def paged_decode_attention(
     """
     if isinstance(k_cache, QuantizedCache):
         return quantized.quantized_decode_attention(
-            query, k_cache, v_cache, block_tables, context_lens, scale
+            query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale
         )
     batch, num_heads, head_dim = query.shape
     keys = gather_blocks(k_cache, block_tables, into="keys")
@@ -146,7 +148,7 @@ def paged_prefill_attention(
     """
     if isinstance(k_cache, QuantizedCache):
         return quantized.quantized_prefill_attention(
-            query, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale
+            query.contiguous(), k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale
         )
     out = torch.empty_like(query)
     num_heads, head_dim = query.shape[1:]

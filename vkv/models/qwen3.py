@@ -14,8 +14,12 @@ small: one launch or one call per op): q, k and v are one projection (``qkv_proj
 up another (``gate_up_proj``), as in vLLM and nano-vLLM; ``MergedLinear`` says which rows
 belong to which, so that a checkpoint's separate tensors load into it
 (``CausalLM.load_hf_state_dict``) and come back out under their own names
-(``hf_state_dict``). RMSNorm is one ``rms_norm`` call (fp32 inside, as Hugging Face computes
-it); the rotary cosines and sines are a table by position, built once in the model's dtype.
+(``hf_state_dict``). The small operations are ``vkv.kernels.layer_ops``'s, one call each: a
+norm adds its input to the residual stream and normalizes the sum (vLLM's residual
+convention: a layer returns its output and the stream, and the next norm adds them), q and k
+are normalized and turned by the rotary table in place, and the MLP's activation multiplies
+the gate by the up projection. The rotary cosines and sines are a table by position, built
+once in the model's dtype.
 
 Tensor parallelism (``vkv.engine.parallel``) splits the attention heads and the MLP's
 intermediate channels over ranks: each rank keeps its rows of each part of qkv and gate/up,
@@ -31,6 +35,8 @@ from types import ModuleType
 
 import torch
 from torch import nn
+
+from vkv.kernels import layer_ops
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the tensor-parallel ranks, in place
 
@@ -138,10 +144,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x / sqrt(mean(x^2) + eps)`` in fp32, back to ``x``'s dtype, times the weight: one
-        op (``rms_norm`` computes a half-precision input in fp32 itself)."""
-        return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream plus ``x`` (updated in place; ``x`` when there is no stream
+        yet), normalized: ``stream / sqrt(mean(stream^2) + eps)`` in fp32, back to its dtype,
+        times the weight; returns ``(normalized, stream)`` (``layer_ops.add_rms_norm``)."""
+        return layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class MergedLinear(nn.Linear):
@@ -191,12 +200,12 @@ class RotaryTable:
             self._build(max(length, 2 * len(self.cos), 256), device, dtype)
 
     def lookup(self, positions: torch.Tensor, length: int | None, dtype: torch.dtype) -> "Rotary":
-        """The rows of ``positions``, ``[tokens, 1, head_dim]`` each; ``length`` bounds them
-        (None: read from ``positions``)."""
+        """The table for ``positions``, reserved past them; ``length`` bounds them (None: read
+        from ``positions``)."""
         if length is None:
             length = int(positions.max()) + 1 if len(positions) else 0
         self.reserve(length, positions.device, dtype)
-        return Rotary(self.cos[positions][:, None], self.signed_sin[positions][:, None])
+        return Rotary(positions, self.cos, self.signed_sin)
 
     def _build(self, length: int, device: torch.device, dtype: torch.dtype) -> None:
         frequencies = inverse_frequencies(self.head_dim, self.theta, device, self.scaling)
@@ -208,15 +217,27 @@ class RotaryTable:
 
 @dataclass(slots=True, frozen=True)
 class Rotary:
-    """One step's rotary rows (``RotaryTable.lookup``)."""
+    """One step's tokens' positions and the table that covers them (``RotaryTable.lookup``)."""
 
+    positions: torch.Tensor
     cos: torch.Tensor
     signed_sin: torch.Tensor
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotary position embedding of ``x`` ``[tokens, heads, head_dim]``, in its dtype:
-        ``x * cos + rotate_half(x) * sin``."""
-        return x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.signed_sin
+    def turn(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple["RMSNorm", "RMSNorm"] | None,
+    ) -> None:
+        """In place, each head of ``q`` and ``k`` ``[tokens, heads, head_dim]`` normalized by
+        ``norms`` (Qwen3's q/k norm; None: Llama), then turned by its token's position:
+        ``x * cos + rotate_half(x) * sin`` (``layer_ops.qk_norm_rotary``)."""
+        q_weight, k_weight, eps = (
+            (None, None, 0.0) if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
+        )
+        layer_ops.qk_norm_rotary(
+            q, k, self.positions, self.cos, self.signed_sin, q_weight, k_weight, eps
+        )
 
 
 class Attention(nn.Module):
@@ -250,16 +271,13 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, c.head_dim)
         k = k.view(tokens, self.num_kv_heads, c.head_dim)
         v = v.view(tokens, self.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q), rotary.apply(k)
+        rotary.turn(q, k, (self.q_norm, self.k_norm) if c.qk_norm else None)
         k_cache, v_cache = cache
-        # contiguous: the stores (graded ones among them) may view a token's heads as one row
-        backend.store_kvcache(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         scale = c.head_dim**-0.5
         if meta.is_prefill:
             out = backend.paged_prefill_attention(
-                q.contiguous(),
+                q,
                 k_cache,
                 v_cache,
                 meta.cu_seqlens_q,
@@ -269,7 +287,7 @@ class Attention(nn.Module):
             )
         else:
             out = backend.paged_decode_attention(
-                q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
             )
         out = self.o_proj(out.reshape(tokens, self.num_heads * c.head_dim))
         if self.all_reduce is not None:
@@ -288,12 +306,9 @@ class MLP(nn.Module):
         self.all_reduce: AllReduce | None = None  # sums down_proj over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``down(silu(gate(x)) * up(x))``, gate and up from one projection; the activation
-        is written over the gate's half, and the product over the gate (a prefill's are
-        megabytes: no new tensor to allocate and fill)."""
-        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.parts, -1)
-        nn.functional.silu(gate, inplace=True)
-        out = self.down_proj(gate.mul_(up))
+        """``down(silu(gate(x)) * up(x))``, gate and up from one projection, the activation
+        and product in one call (``layer_ops.silu_and_mul``)."""
+        out = self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
@@ -307,9 +322,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, rotary, hidden, cache, meta, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), cache, meta, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, rotary, hidden, residual, cache, meta, backend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and the residual stream before it (the next norm adds them)."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rotary, hidden, cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -381,8 +401,8 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: ModuleType,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         rotary = self.rotary.lookup(positions, meta.max_context_len, hidden.dtype)
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            hidden = layer(rotary, hidden, cache, meta, backend)
-        return self.lm_head(self.model.norm(hidden))
+            hidden, residual = layer(rotary, hidden, residual, cache, meta, backend)
+        return self.lm_head(self.model.norm(hidden, residual)[0])
