@@ -15,7 +15,6 @@ import os
 from collections import Counter
 
 import pytest
-
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from vkv.engine.llm_engine import LLMEngine
