@@ -251,6 +251,7 @@ def run_e2e(
     device: str = "cpu",
     dtype: str = "auto",
     load_format: str = "auto",
+    enforce_eager: bool = False,
     workload: str = "mixed",
     num_requests: int | None = None,
     prompt_lens: tuple[int, int] | None = None,
@@ -274,7 +275,12 @@ def run_e2e(
     path = Path(model) if model is not None else DEFAULT_MODEL
     started = time.perf_counter()
     engine = LLMEngine(
-        path, max_num_seqs=max_num_seqs, device=device, dtype=dtype, load_format=load_format
+        path,
+        max_num_seqs=max_num_seqs,
+        device=device,
+        dtype=dtype,
+        load_format=load_format,
+        enforce_eager=enforce_eager,
     )
     startup_seconds = time.perf_counter() - started
     if engine.tokenizer is None:

@@ -30,11 +30,21 @@ def add_model_options(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--device", choices=["cpu", "cuda"], help="default: cuda where there is one, else cpu"
     )
+    command.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="launch every op of a decode step eagerly (default on CUDA: replay CUDA graphs)",
+    )
 
 
 def model_arguments(args: argparse.Namespace) -> dict[str, str | None]:
     """The engine's keyword arguments for the options of ``add_model_options``."""
-    return {"load_format": args.load_format, "dtype": args.dtype, "device": args.device}
+    return {
+        "load_format": args.load_format,
+        "dtype": args.dtype,
+        "device": args.device,
+        "enforce_eager": args.enforce_eager,
+    }
 
 
 def add_kv_cache_options(command: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import re
 import pytest
 from devices import EXACT_DTYPE
 
-import vkv.engine.llm_engine as llm_engine
+import vkv.engine.startup as startup
 from vkv import LLM, SamplingParams
 from vkv.cli import main
 
@@ -106,7 +106,7 @@ COMMANDS = {
 def test_a_bad_command_is_one_line_on_stderr_and_exit_code_2(case, capsys, monkeypatch):
     argv, said = COMMANDS[case]
     if case.endswith("on a CPU"):  # a process without Triton's interpreter, as with a GPU
-        monkeypatch.setattr(llm_engine, "TRITON_INTERPRETED", False)
+        monkeypatch.setattr(startup, "TRITON_INTERPRETED", False)
     assert main(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()

@@ -43,9 +43,10 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def generate(model, backend, block_size, num_gpu_blocks, **options):
+def generate(model, backend, block_size, num_gpu_blocks, decode_sizes=None, **options):
     """Every prompt's tokens through the engine's parts, on ``model``'s device with ``backend``
-    (a kernels module), and the number of preemptions."""
+    (a kernels module), and the number of preemptions. With ``decode_sizes``, decode steps run
+    on the static buffers of CUDA graphs, padded to those batch sizes (eagerly)."""
     config = Config(
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
@@ -59,6 +60,8 @@ def generate(model, backend, block_size, num_gpu_blocks, **options):
     device = next(model.parameters()).device
     cache = CacheEngine(shape, config.num_gpu_blocks, config.num_cpu_blocks, device)
     runner = ModelRunner(model, cache, scheduler.block_manager, backend)
+    if decode_sizes:
+        runner.use_decode_graphs(decode_sizes, blocks_for(128, block_size), capture=False)
     seqs = [
         Sequence(i, p, config.block_size, SamplingParams(temperature=0.0, max_tokens=n))
         for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))
@@ -72,6 +75,7 @@ def generate(model, backend, block_size, num_gpu_blocks, **options):
         runner.apply_block_maps(out, scheduler.running, scheduler.swapped)
         scheduler.postprocess(out.scheduled, runner.execute(out.scheduled))
     assert scheduler.is_finished()
+    assert not decode_sizes or runner.decode_graphs.steps > 0, "no decode step was padded"
     return [seq.completion_token_ids for seq in seqs], scheduler.num_preemptions
 
 
@@ -110,6 +114,35 @@ def test_preemption_does_not_change_the_output(models, backend, device, block_si
     )
     assert preemptions > 0, "the pool is meant to be too small for all four completions"
     assert outputs == expected
+
+
+@ON_BACKENDS
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_decode_padded_to_a_graphs_batch_size_generates_the_same_tokens(
+    models, backend, device, block_size
+):
+    """The inputs of the CUDA-graph path, run eagerly: 2 to 4 sequences decoding are padded to
+    8 rows (slot -1, context 0), one to 1; the padding must change no token."""
+    model, expected = models
+    outputs, _ = generate(
+        model[device], KERNELS[backend], block_size, ample_pool(block_size), decode_sizes=[1, 8]
+    )
+    assert outputs == expected
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_padded_decode_under_preemption_generates_the_same_tokens(models, device, mode):
+    model, expected = models
+    outputs, preemptions = generate(
+        model[device],
+        reference,
+        16,
+        tight_pool(16),
+        decode_sizes=[2, 4],
+        num_cpu_blocks=ample_pool(16),
+        preemption_mode=mode,
+    )
+    assert preemptions > 0 and outputs == expected
 
 
 def test_chunked_prefill_does_not_change_the_output(models, device):

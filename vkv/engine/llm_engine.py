@@ -24,7 +24,6 @@ This module is the loop; its pieces live beside it: ``intake.py`` (what a prompt
 line) and ``parallel.py`` (tensor parallelism).
 """
 
-import os
 import sys
 import time
 import weakref
@@ -40,6 +39,7 @@ from vkv.engine.cache_engine import (
     blocks_ever_used,
     size_device_pool,
 )
+from vkv.engine.decode_graphs import graph_plan
 from vkv.engine.intake import check_prompt
 from vkv.engine.model_runner import ModelRunner, TokenLogprobs
 from vkv.engine.outputs import Detokenizer, OutputProcessor, RequestOutput
@@ -54,12 +54,12 @@ from vkv.engine.parallel_sampling import forks_due
 from vkv.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vkv.engine.sequence import Sequence, SequenceStatus
 from vkv.engine.startup import (
+    chosen_backend,
     default_device,
     engine_metrics,
     kv_budget,
     metrics_logger,
     model_label,
-    needs_done_parts,
     pool_note,
     startup_line,
 )
@@ -69,7 +69,6 @@ from vkv.recording import Recorder, RecordTo, sinks_for
 from vkv.sampling_params import SamplingParams
 from vkv.threads import usable_cpus
 
-TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FAILED_TOKEN = -1  # what a failed sequence "sampled": never appended
 
 
@@ -85,7 +84,9 @@ class LLMEngine:
     KV-cache state (``vkv.recording``): a file's path (``vkv view`` replays it), a
     ``LiveRecording`` (the live page), or a list of both. ``tensor_parallel_size`` N > 1 splits
     the model's heads and the KV cache over N processes (``parallel.py``): the budget and the
-    block count are per rank, and ``close()`` (or ``with``) stops the other processes.
+    block count are per rank, and ``close()`` (or ``with``) stops the other processes. On CUDA
+    with Triton, decode steps replay CUDA graphs captured at start (``decode_graphs.py``) unless
+    ``enforce_eager``.
 
     A pool sized from memory holds no more blocks than the engine can ever use
     (``cache_engine.blocks_ever_used``: ``max_num_seqs`` sequences of ``max_model_len``
@@ -119,6 +120,7 @@ class LLMEngine:
         load_format: str = "auto",
         record: RecordTo | None = None,
         tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
     ) -> None:
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -131,15 +133,7 @@ class LLMEngine:
         if self.device.type == "cpu":  # no more threads than this process has CPUs
             torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
         self.model_dtype = model_dtype(self.device, dtype)
-        backend = backend or ("triton" if self.device.type == "cuda" else "torch")
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"backend must be torch or triton, got {backend!r}")
-        needs_done_parts(kv_cache_dtype, enable_prefix_caching, backend)
-        if backend == "triton" and self.device.type != "cuda" and not TRITON_INTERPRETED:
-            raise ValueError(
-                "the triton backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
-                "(Triton's interpreter, for tests); on a CPU use --backend torch"
-            )
+        backend = chosen_backend(backend, self.device, kv_cache_dtype, enable_prefix_caching)
         kernels, attention = attention_kernels(backend, self.device)
         self.model, self.tokenizer, eos = load_checkpoint(
             model, self.model_dtype, self.device, load_format
@@ -204,15 +198,19 @@ class LLMEngine:
         self.metrics = engine_metrics(model_label(model), self.config, shape)
         self.stat_logger = metrics_logger(self.metrics)
         self.recorder = Recorder(self, *sinks_for(record)) if record else None
+        graphs = graph_plan(self.device, backend, shape, enforce_eager, self.config)
         if tensor_parallel_size > 1:  # last: nothing after it can fail and leave workers behind
             spec = ShardSpec(
                 None if model is None else str(model), load_format, backend, self.device.type,
-                shape, self.config.num_gpu_blocks, num_cpu_blocks, residual_slots,
+                shape, self.config.num_gpu_blocks, num_cpu_blocks, residual_slots, graphs,
             )  # fmt: skip
             self.parallel = TensorParallel.start(tensor_parallel_size, spec, c.vocab_size)
             shard_model(self.model, 0, tensor_parallel_size, self.parallel.all_reduce)
             self.runner.parallel = self.parallel
             weakref.finalize(self, self.parallel.close)  # dropped without close(): stops too
+        if graphs is not None:  # every rank captures its own (the all-reduces inside pair up)
+            captured = self.runner.use_decode_graphs(*graphs, capture=True)
+            print(f"vkv: {captured.describe()}", file=sys.stderr)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text, or token ids); return its request id.

@@ -8,6 +8,10 @@ uses the decode kernel; any step with a prefill (or a chunk of one) uses the pre
 for which a decode token is a one-token chunk. The logits of each sequence's last computed token
 are sampled (a prefill chunk that stops short gets a token the scheduler then ignores).
 
+A decode step that fits runs on ``decode_graphs`` where the engine set them up
+(``decode_graphs.py``: static buffers, padded to a captured batch size, replayed from a CUDA
+graph on a GPU); everything else runs eagerly.
+
 With tensor parallelism (``parallel.py``) this runner is rank 0's: it sends each step's block
 maps and flat batch (``StepBatch``) to the other ranks, which run the same ``forward`` on their
 heads, and it samples from the vocabulary the ranks' logits make together.
@@ -29,6 +33,7 @@ import torch
 
 from vkv.engine.block_manager import BlockManager
 from vkv.engine.cache_engine import CacheEngine
+from vkv.engine.decode_graphs import DecodeGraphs
 from vkv.engine.key_residual import partial_blocks
 from vkv.engine.scheduler import ScheduledSequence, SchedulerOutput
 from vkv.engine.sequence import Sequence
@@ -95,6 +100,21 @@ class ModelRunner:
         self.more_logprobs: dict[int, list[TokenLogprobs]] = {}  # the other samples' ones
         self.model_seconds = 0.0
         self.thread_limit = torch.get_num_threads()  # the engine's (see vkv.threads)
+        self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
+
+    def use_decode_graphs(self, sizes: list[int], max_blocks: int, capture: bool) -> DecodeGraphs:
+        """Run the decode steps of up to ``max(sizes)`` sequences on static buffers padded to
+        ``sizes``, each replayed from a CUDA graph captured now (``capture``) or run eagerly."""
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.cache_engine.layers(),
+            self.backend,
+            sizes,
+            max_blocks,
+            self.cache_engine.shape.block_size,
+            capture,
+        )
+        return self.decode_graphs
 
     def batch_of(self, scheduled: list[ScheduledSequence]) -> StepBatch:
         """The scheduled tokens as one flat batch of plain lists (what a tensor-parallel rank 0
@@ -130,8 +150,11 @@ class ModelRunner:
         def tensor(values: list[int], dtype: type[np.integer] = np.int32) -> torch.Tensor:
             # through numpy: np.fromiter turns a list of ints into an array 3-4x faster than
             # torch.tensor does (the block tables above all: a step's costliest input)
-            array = np.fromiter(values, dtype, len(values))
-            return torch.from_numpy(array).to(self.device)
+            array = torch.from_numpy(np.fromiter(values, dtype, len(values)))
+            if self.device.type != "cuda":
+                return array
+            # from pinned memory the copy is queued, not waited for (a pageable one waits)
+            return array.pin_memory().to(self.device, non_blocking=True)
 
         num_seqs = len(batch.context_lens)
         meta = AttentionMetadata(
@@ -148,14 +171,23 @@ class ModelRunner:
         """The logits of each sequence's last token in ``batch`` (the whole vocabulary); with
         tensor parallelism, on rank 0 only (the others send their slice of the vocabulary and
         get None). ``model_seconds`` adds the model's part (the inputs made, to the logits)."""
-        input_ids, positions, meta = self.tensors(batch)
-        caches = self.cache_engine.layers()
         if self.device.type == "cpu" and self.parallel is None:
             self._fit_threads()
-        started = time.perf_counter()
-        logits = self.model(input_ids, positions, caches, meta, self.backend)
-        if len(logits) > len(batch.context_lens):  # a row per token: keep each sequence's last
-            logits = logits[meta.cu_seqlens_q[1:].long() - 1]
+        graphs, num_seqs = self.decode_graphs, len(batch.context_lens)
+        if graphs is not None and graphs.serves(num_seqs, batch.is_prefill):
+            self.cache_engine.plan_step(batch.slots)
+            started = time.perf_counter()
+            logits = graphs.run(
+                batch.tokens, batch.positions, batch.slots, batch.context_lens, batch.block_tables
+            )
+        else:
+            input_ids, positions, meta = self.tensors(batch)
+            started = time.perf_counter()
+            logits = self.model(
+                input_ids, positions, self.cache_engine.layers(), meta, self.backend
+            )
+            if len(logits) > num_seqs:  # a row per token: keep each sequence's last
+                logits = logits[meta.cu_seqlens_q[1:].long() - 1]
         if self.parallel is not None:
             logits = self.parallel.gather_vocabulary(logits)
         if self.device.type == "cuda":

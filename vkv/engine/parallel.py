@@ -90,6 +90,7 @@ class ShardSpec:
     num_gpu_blocks: int
     num_cpu_blocks: int
     residual_slots: int
+    decode_graphs: tuple[list[int], int] | None = None  # rank 0's sizes and table width
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
@@ -369,6 +370,8 @@ def run_worker(
         )
         kernels, _ = attention_kernels(spec.backend, device)
         runner = ModelRunner(model, cache, None, kernels, group)
+        if spec.decode_graphs is not None:
+            runner.use_decode_graphs(*spec.decode_graphs, capture=True)
         with torch.inference_mode():
             while (message := group.receive()) is not None:
                 kind, payload = message

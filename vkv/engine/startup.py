@@ -14,6 +14,7 @@ from vkv.metrics.registry import EngineMetrics
 from vkv.metrics.stats import StatLogger
 
 CPU_KV_BYTES = 256 << 20  # the KV budget on a CPU
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 METRICS_FILE = "vkv/metrics/stats.py"  # StatLogger, Phase 5's parts that the engine calls
 # Phase 3's files that a quantized cache runs on the torch backend; the Triton backend also
 # runs part 3.8's dequantizing load (vkv/kernels/triton_quantized.py).
@@ -29,6 +30,23 @@ def default_device() -> torch.device:
     every rank), else CUDA where there is one, else the CPU."""
     chosen = os.environ.get("VKV_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(chosen)
+
+
+def chosen_backend(
+    backend: str | None, device: torch.device, kv_cache_dtype: str, enable_prefix_caching: bool
+) -> str:
+    """The engine's attention backend (default: Triton on CUDA, torch elsewhere), after the
+    parts its options need are found done; ``ValueError`` for one that cannot run here."""
+    backend = backend or ("triton" if device.type == "cuda" else "torch")
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be torch or triton, got {backend!r}")
+    needs_done_parts(kv_cache_dtype, enable_prefix_caching, backend)
+    if backend == "triton" and device.type != "cuda" and not TRITON_INTERPRETED:
+        raise ValueError(
+            "the triton backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
+            "(Triton's interpreter, for tests); on a CPU use --backend torch"
+        )
+    return backend
 
 
 def needs_done_parts(kv_cache_dtype: str, enable_prefix_caching: bool, backend: str) -> None:

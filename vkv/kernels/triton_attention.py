@@ -251,8 +251,10 @@ def _decode_merge_kernel(
         mask=split_mask,
         other=float("-inf"),
     )
-    weights = tl.exp(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
+    # a split with no token (-inf) weighs 0; with none at all (a padded row) the output is 0
+    top = tl.max(lse, 0)
+    weights = tl.exp(lse - tl.where(top > float("-inf"), top, 0.0))
+    weights = weights / tl.maximum(tl.sum(weights, 0), 1e-30)
     partial = tl.load(
         mid_out_ptr
         + seq * stride_mid_b
@@ -330,8 +332,9 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K).
-    ``ValueError`` for a tensor on another device than the query (``check_devices``)."""
+    """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K;
+    by default one per 512 tokens the block tables can reach, at most 16). ``ValueError`` for
+    a tensor on another device than the query (``check_devices``)."""
     check_devices(
         "query",
         query,
@@ -341,8 +344,10 @@ def paged_decode_attention(
         context_lens=context_lens,
     )
     batch, num_heads, head_dim = query.shape
-    if num_splits is None:
-        num_splits = max(1, min(16, triton.cdiv(int(context_lens.max()), 512)))
+    if num_splits is None:  # from the table's reach, known on the host: no wait for the GPU,
+        # and fixed for a captured graph (its tables are max_model_len wide)
+        reach = block_tables.shape[1] * k_cache.shape[1]
+        num_splits = max(1, min(16, triton.cdiv(reach, 512)))
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     mid_out = torch.empty(
         batch, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device
