@@ -1,6 +1,6 @@
 """The C kernels of the CPU path, compiled once per machine and loaded with ``ctypes`` (given).
 
-Two sources make one library: ``paged_decode.c`` (decode attention read in place:
+Two sources (and the header ``cpu_math.h`` they share) make one library: ``paged_decode.c`` (decode attention read in place:
 ``cpu_attention``) and ``layer_ops.c`` (a layer's norms, rotary turn, activation and KV store:
 ``layer_ops``). They are compiled with the system's C compiler (``$CC``, else ``cc``) into
 ``$VKV_CACHE_DIR`` (default ``~/.cache/vkv``), under a name derived from the sources, the flags,
@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("layer_ops.c"))
+HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by the sources: in the name too
 # -march=native: the library is built on the machine that runs it (its name includes the CPU);
 # -fopenmp: the loops over sequences and tokens run on OpenMP threads (with PyPI's torch on
 # Linux, the libgomp torch loaded, so one thread pool serves both); a compiler that refuses a set
@@ -64,7 +65,7 @@ def _build() -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
-    sources = [source.read_bytes() for source in SOURCES]
+    sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     cache = Path(os.environ.get("VKV_CACHE_DIR", Path.home() / ".cache" / "vkv"))
     for flags in FLAG_SETS:
         described = [" ".join(flags).encode(), compiler.encode(), _cpu_name().encode()]

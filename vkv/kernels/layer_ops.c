@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 /* 1 / sqrt(mean(x^2) + eps) of a row of n floats, summed in 8 lanes (vectorizes in order). */
 static float inverse_rms(const float *x, int64_t n, float eps) {
     float lanes[8] = {0};
@@ -89,8 +91,12 @@ void vkv_silu_and_mul_f32(const float *x, float *out, int64_t tokens, int64_t wi
         const float *gate = x + t * x_stride;
         const float *up = gate + width;
         float *o = out + t * width;
-        for (int64_t i = 0; i < width; ++i)
-            o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        for (int64_t i = 0; i < width; ++i) {
+            /* sigmoid(g) from e = e^-|g| <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below */
+            const float e = exp_nonpositive(-fabsf(gate[i]));
+            const float sigmoid = (gate[i] >= 0.0f ? 1.0f : e) / (1.0f + e);
+            o[i] = gate[i] * sigmoid * up[i];
+        }
     }
 }
 
