@@ -92,6 +92,13 @@ def report(result: dict) -> None:
     for row in (result["decode_kernel"] or {}).get("rows", []):
         share = row["share_of_copy_bandwidth"]
         print(f"  {row['kernel']:>32}: {row['ms']:.3f} ms, {share:.1%} of copy bandwidth")
+    for name, row in (result["decode_step"] or {}).items():
+        busy, step = row["gpu_busy_share"], row["full_decode_step_ms"]
+        print(
+            f"  {name:>24}: {row['tokens_per_s']:,.0f} tokens/s, full decode step "
+            f"{'-' if step is None else f'{step:.2f} ms'}, GPU busy "
+            f"{'unmeasured' if busy is None else format(busy, '.1%')}"
+        )
     e2e = result["e2e"]
     if e2e:
         busy = e2e["gpu_busy_share"]
@@ -117,6 +124,7 @@ def main(out: Path) -> int:
         "tests": tests,
         "startup": read_json(out / "startup.json"),
         "decode_kernel": read_json(out / "decode_kernel.json"),
+        "decode_step": read_json(out / "decode_step.json"),
         "e2e": read_json(out / "e2e.json"),
     }
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
