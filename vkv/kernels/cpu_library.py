@@ -1,12 +1,12 @@
 """The C kernels of the CPU path, compiled once per machine and loaded with ``ctypes`` (given).
 
-Two sources (and the header ``cpu_math.h`` they share) make one library: ``paged_decode.c`` (decode attention read in place:
-``cpu_attention``) and ``layer_ops.c`` (a layer's norms, rotary turn, activation and KV store:
-``layer_ops``). They are compiled with the system's C compiler (``$CC``, else ``cc``) into
-``$VKV_CACHE_DIR`` (default ``~/.cache/vkv``), under a name derived from the sources, the flags,
-the compiler and the CPU. Without a compiler, when the build fails, or with ``VKV_CPU_KERNEL=0``
-in the environment, ``library()`` is None and every caller falls back to its PyTorch definition,
-with the same results up to float rounding.
+Two sources and the header they share (``cpu_math.h``) make one library: ``paged_decode.c``
+(decode attention read in place: ``cpu_attention``) and ``layer_ops.c`` (a layer's norms, rotary
+turn, activation and KV store: ``layer_ops``). They are compiled with the system's C compiler
+(``$CC``, else ``cc``) into ``$VKV_CACHE_DIR`` (default ``~/.cache/vkv``), under a name derived
+from the sources, the flags, the compiler and the CPU. Without a compiler, when the build fails,
+or with ``VKV_CPU_KERNEL=0`` in the environment, ``library()`` is None and every caller falls
+back to its PyTorch definition, with the same results up to float rounding.
 """
 
 import ctypes
