@@ -15,6 +15,10 @@ SIZES = {
     "num_key_value_heads": 2,
     "head_dim": 16,
     "max_position_embeddings": 128,
+    # transformers' default (0.02) makes a model that repeats the prompt's last token whatever
+    # came before it, so that a broken cache or attention would still give its greedy tokens;
+    # at 0.2 the tokens depend on the context
+    "initializer_range": 0.2,
 }
 ARCHITECTURES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True, "rope_theta": 5e5}),
