@@ -10,7 +10,7 @@
 #    16-bit and quantized;
 # 3. startup: how long LLM() takes to start with vkv-tiny (the bar: 10 s);
 # 4. decode_step: benchmarks/bench_decode_step.py on Qwen3-0.6B's shape (random weights,
-#    nano-vLLM's lengths, 128 requests): 16-bit from CUDA graphs, eager, INT8 and INT4;
+#    nano-vLLM's lengths, 128 requests): 16-bit from CUDA graphs and eager, INT8 and INT4;
 #    tokens/s, a full-batch decode step's time and GPU-busy share;
 # 5. e2e: `vkv bench e2e --device cuda` on the same weights and lengths against transformers.
 #

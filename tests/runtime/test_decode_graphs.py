@@ -31,7 +31,7 @@ def test_batch_sizes_are_powers_of_two_to_8_then_multiples_of_16():
     assert graph_batch_sizes(50) == [1, 2, 4, 8, 16, 32, 48, 50]
 
 
-def test_only_a_cuda_engine_on_triton_without_a_key_residual_captures():
+def test_only_a_cuda_engine_on_triton_with_a_16_bit_cache_captures():
     config = Config(block_size=16, max_model_len=100, max_num_seqs=20)
     plain = CacheShape(2, 16, 2, 16, torch.float16)
     cuda = torch.device("cuda")
@@ -39,8 +39,9 @@ def test_only_a_cuda_engine_on_triton_without_a_key_residual_captures():
     assert graph_plan(cuda, "triton", plain, True, config) is None, "enforce_eager"
     assert graph_plan(torch.device("cpu"), "triton", plain, False, config) is None
     assert graph_plan(cuda, "torch", plain, False, config) is None
-    per_channel = CacheShape(2, 16, 2, 16, torch.float16, "int8", "per_channel")
-    assert graph_plan(cuda, "triton", per_channel, False, config) is None
+    for granularity in ("per_token", "per_channel"):  # a quantized store checks on the host
+        quantized = CacheShape(2, 16, 2, 16, torch.float16, "int8", granularity)
+        assert graph_plan(cuda, "triton", quantized, False, config) is None
 
 
 def decode_batch(runner: ModelRunner, lengths: list[int], block_size: int) -> StepBatch:

@@ -19,8 +19,10 @@ Prefill steps, and decode batches larger than the largest size, run eagerly. So 
 everything on a CPU, where nothing is captured: ``DecodeGraphs(capture=False)`` runs the same
 padded buffers through the model's forward, so that the padding is tested on every machine
 (the same tokens with and without it). Graphs need the Triton backend (the torch reference
-reads the slots back to skip padding, a device sync that capture refuses) and a cache without
-a key residual (keys per channel plan their writes on the host each step).
+reads the slots back to skip padding, a device sync that capture refuses) and a 16-bit cache:
+a quantized store first checks on the host that every key and value is finite (it refuses NaN
+before writing anything), and keys per channel plan their writes on the host each step. Such a
+cache decodes eagerly; graphs for it need that check done on the device.
 """
 
 import time
@@ -49,8 +51,8 @@ def graph_plan(
     device: torch.device, backend: str, shape: CacheShape, enforce_eager: bool, config: Config
 ) -> tuple[list[int], int] | None:
     """The batch sizes and table width of an engine's decode graphs; None where it runs
-    eagerly (not CUDA, not Triton, keys per channel, or ``enforce_eager``)."""
-    if device.type != "cuda" or backend != "triton" or shape.per_channel_keys or enforce_eager:
+    eagerly (not CUDA, not Triton, a quantized cache, or ``enforce_eager``)."""
+    if device.type != "cuda" or backend != "triton" or shape.quantized or enforce_eager:
         return None
     max_blocks = -(-config.max_model_len // config.block_size)
     return graph_batch_sizes(config.max_num_seqs), max_blocks
