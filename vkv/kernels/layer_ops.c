@@ -17,18 +17,9 @@
 
 #include "cpu_math.h"
 
-/* 1 / sqrt(mean(x^2) + eps) of a row of n floats, summed in 8 lanes (vectorizes in order). */
+/* 1 / sqrt(mean(x^2) + eps) of a row of n floats. */
 static float inverse_rms(const float *x, int64_t n, float eps) {
-    float lanes[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int r = 0; r < 8; ++r)
-            lanes[r] += x[i + r] * x[i + r];
-    float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-                ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    for (; i < n; ++i)
-        sum += x[i] * x[i];
-    return 1.0f / sqrtf(sum / (float)n + eps);
+    return 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
 }
 
 void vkv_add_rms_norm_f32(const float *x, float *residual, float *out, const float *weight,

@@ -28,21 +28,6 @@
  * cache, so the CPU cannot guess it; fetched early, it is in the cache when its turn comes. */
 #define BLOCKS_AHEAD 4
 
-/* A dot product in 8 independent lanes, so the compiler vectorizes it without reordering
- * a single running sum (no -ffast-math needed). */
-static float dot(const float *a, const float *b, int64_t n) {
-    float lanes[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int r = 0; r < 8; ++r)
-            lanes[r] += a[i + r] * b[i + r];
-    float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-                ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    for (; i < n; ++i)
-        sum += a[i] * b[i];
-    return sum;
-}
-
 /* out[t] = scale * (q . k_t) for the n tokens of a block, whose rows lie token_stride floats
  * apart. With AVX2 and FMA, eight tokens at a time: an 8-lane partial sum per token, then the
  * eight sums reduced together by one tree of horizontal adds (eight separate reductions cost
