@@ -116,8 +116,10 @@ def test_preemption_does_not_change_the_output(models, backend, device, block_si
     assert outputs == expected
 
 
-@ON_BACKENDS
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize(
+    ("backend", "device", "block_size"),
+    [(b, d, size) for b, d in BACKENDS for size in BLOCK_SIZES if b == "torch" or size == 16],
+)  # Triton interpreted at one block size: its padded rows are the kernel's, whatever the size
 def test_decode_padded_to_a_graphs_batch_size_generates_the_same_tokens(
     models, backend, device, block_size
 ):
