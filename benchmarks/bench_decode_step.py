@@ -7,7 +7,8 @@ time of a full-batch decode step, and on CUDA the share of that step the GPU com
 the first variant (the 16-bit cache as the engine runs by default).
 
 - On CUDA: 16-bit replayed from CUDA graphs (the default), 16-bit eager (``enforce_eager``), and
-  INT8 and INT4 caches (eager: ``decode_graphs.graph_plan`` says why). What issue 43 asks of
+  INT8 and INT4 caches per token (from graphs too, their NaN refusal a flag on the device), INT8
+  eager beside them. What issue 43 asks of
   them: tokens/s >= 10,000 for Qwen3-0.6B's shape on nano-vLLM's workload on an H200, the GPU
   busy >= 70 % of a full-batch decode step, INT8's tokens/s >= 16-bit's.
 - On a CPU, where nothing is captured: 16-bit, 16-bit on the graphs' padded static buffers run
@@ -40,6 +41,7 @@ def variants(device: str) -> dict[str, dict]:
             "16-bit, CUDA graphs": {},
             "16-bit, eager": {"enforce_eager": True},
             "int8": {"kv_cache_dtype": "int8"},
+            "int8, eager": {"kv_cache_dtype": "int8", "enforce_eager": True},
             "int4": {"kv_cache_dtype": "int4"},
         }
     return {

@@ -10,9 +10,11 @@ the capture itself runs only on a GPU (``scripts/gpu_check.sh``).
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
+from devices import KERNEL_DEVICE
 from tiny_checkpoints import paired
 
 from vkv.config import Config
@@ -20,7 +22,7 @@ from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.engine.decode_graphs import graph_batch_sizes, graph_plan
 from vkv.engine.llm_engine import LLMEngine
 from vkv.engine.model_runner import ModelRunner, StepBatch
-from vkv.kernels import cpu_attention
+from vkv.kernels import cpu_attention, triton_attention
 from vkv.sampling_params import SamplingParams
 
 
@@ -31,17 +33,18 @@ def test_batch_sizes_are_powers_of_two_to_8_then_multiples_of_16():
     assert graph_batch_sizes(50) == [1, 2, 4, 8, 16, 32, 48, 50]
 
 
-def test_only_a_cuda_engine_on_triton_with_a_16_bit_cache_captures():
+def test_a_cuda_engine_on_triton_captures_unless_keys_are_per_channel():
     config = Config(block_size=16, max_model_len=100, max_num_seqs=20)
     plain = CacheShape(2, 16, 2, 16, torch.float16)
+    per_token = CacheShape(2, 16, 2, 16, torch.float16, "int8")
+    per_channel = CacheShape(2, 16, 2, 16, torch.float16, "int8", "per_channel")
     cuda = torch.device("cuda")
-    assert graph_plan(cuda, "triton", plain, False, config) == ([1, 2, 4, 8, 16, 20], 7)
+    for shape in (plain, per_token):
+        assert graph_plan(cuda, "triton", shape, False, config) == ([1, 2, 4, 8, 16, 20], 7)
     assert graph_plan(cuda, "triton", plain, True, config) is None, "enforce_eager"
     assert graph_plan(torch.device("cpu"), "triton", plain, False, config) is None
     assert graph_plan(cuda, "torch", plain, False, config) is None
-    for granularity in ("per_token", "per_channel"):  # a quantized store checks on the host
-        quantized = CacheShape(2, 16, 2, 16, torch.float16, "int8", granularity)
-        assert graph_plan(cuda, "triton", quantized, False, config) is None
+    assert graph_plan(cuda, "triton", per_channel, False, config) is None, "a host plan a step"
 
 
 def decode_batch(runner: ModelRunner, lengths: list[int], block_size: int) -> StepBatch:
@@ -92,6 +95,45 @@ def test_a_padded_step_gives_the_eager_logits_and_writes_only_its_slots(block_si
         assert not torch.equal(old[written], new[written]), "the step's own tokens were stored"
 
 
+def quantized_runners(bits: int) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners of one random model over INT caches on the Triton kernels, the second on
+    the padded buffers (sizes 1 and 4)."""
+    _, model = paired("qwen3")
+    shape = CacheShape(2, 4, 2, 16, torch.float32, f"int{bits}")
+    runners = []
+    for _ in range(2):
+        cache = CacheEngine(shape, 8, 0, torch.device(KERNEL_DEVICE))
+        runner = ModelRunner(copy.deepcopy(model).to(KERNEL_DEVICE), cache, None, triton_attention)
+        runners.append(runner)
+    runners[1].use_decode_graphs([1, 4], max_blocks=4, capture=False)
+    return runners[0], runners[1]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_cache_refuses_a_non_finite_step_on_the_device(bits):
+    """A cache quantized per token decodes on the padded buffers as it does eagerly; a step
+    whose keys hold NaN raises the eager store's error after the step, writes nothing in any
+    layer, and leaves the next step free to write (the step flag is cleared before each)."""
+    eager, padded = quantized_runners(bits)
+    batch = decode_batch(eager, [5, 3], block_size=4)
+    with torch.inference_mode():
+        torch.testing.assert_close(padded.forward(batch), eager.forward(batch))
+        assert padded.decode_graphs.steps == 1
+        planes = padded.cache_engine.gpu_planes
+        before = [plane.clone() for plane in planes]
+        poisoned = dataclasses.replace(batch, tokens=[batch.tokens[0], 11])
+        padded.model.model.embed_tokens.weight[11, 3] = float("nan")
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            padded.forward(poisoned)
+        assert all(torch.equal(a, b) for a, b in zip(planes, before, strict=True)), (
+            "a refused step writes nothing, in no layer"
+        )
+        assert padded.decode_graphs.refused.item() == 1
+        padded.forward(dataclasses.replace(batch, tokens=[batch.tokens[0], 12]))
+        assert padded.decode_graphs.refused.item() == 0
+        assert not all(torch.equal(a, b) for a, b in zip(planes, before, strict=True))
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_vkv_tiny_completes_prompts_the_same_with_padding(block_size):
     prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(", "# a"]
@@ -113,15 +155,20 @@ def test_vkv_tiny_completes_prompts_the_same_with_padding(block_size):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_replayed_graphs_complete_prompts_as_eager_steps_do():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_replayed_graphs_complete_prompts_as_eager_steps_do(kv_cache_dtype):
     """On a GPU: the engine captures its graphs at start, and replaying them gives the tokens
-    that eager steps give (float32: the two differ by rounding only)."""
+    that eager steps give (float32: the two differ by rounding only), 16-bit or INT8."""
     prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def complete(enforce_eager: bool) -> tuple[list[list[int]], int]:
         engine = LLMEngine(
-            max_num_seqs=8, max_model_len=128, dtype="float32", enforce_eager=enforce_eager
+            max_num_seqs=8,
+            max_model_len=128,
+            dtype="float32",
+            kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=enforce_eager,
         )
         ids = [engine.add_request(prompt, params) for prompt in prompts]
         while engine.has_unfinished_requests():

@@ -15,6 +15,8 @@ the same device; the Triton kernels on ``KERNEL_DEVICE``; engines that compare t
 ``EXACT_DTYPE``.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from devices import BACKENDS, EXACT_DTYPE, KERNEL_DEVICE
@@ -171,6 +173,27 @@ def test_the_triton_store_refuses_nan_before_writing():
     with pytest.raises(ValueError, match="NaN or infinite"):
         triton_attention.store_kvcache(keys, keys.clone(), *engine.layer(0), slots)
     assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes), "nothing written"
+
+
+def test_with_a_step_flag_the_triton_store_refuses_on_the_device_for_the_rest_of_the_step():
+    """A CUDA graph cannot wait for a host check: a cache carrying a step flag (``refused``)
+    sets it instead of raising, and no store writes while it is set (later layers included)."""
+    engine = quantized_engine(8, KERNEL_DEVICE)
+    flag = torch.zeros((), dtype=torch.int32, device=KERNEL_DEVICE)
+    layers = [[dataclasses.replace(c, refused=flag) for c in engine.layer(i)] for i in (0, 1)]
+    keys = torch.randn(2, HEADS, DIM, device=KERNEL_DEVICE)
+    slots = torch.tensor([0, 1], device=KERNEL_DEVICE)
+    poisoned = keys.clone()
+    poisoned[1, 0, 2] = float("nan")
+    triton_attention.store_kvcache(poisoned, keys, *layers[0], slots)
+    assert flag.item() == 1, "the refusal is on the device, read after the step"
+    triton_attention.store_kvcache(keys, keys, *layers[1], slots)
+    assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes), "nothing written"
+    flag.zero_()
+    triton_attention.store_kvcache(keys, keys, *layers[1], slots)
+    assert flag.item() == 0 and engine.gpu_planes[0].abs().sum() > 0
+    with pytest.raises(ValueError, match="per token only"):
+        dataclasses.replace(channel_engine(8, KERNEL_DEVICE).layer(0)[0], refused=flag)
 
 
 @pytest.mark.parametrize(

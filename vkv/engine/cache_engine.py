@@ -56,6 +56,12 @@ class QuantizedCache:
     Keys per channel also carry the residual: ``residual [num_slots, block_size, kv_heads,
     head_dim]`` (full precision), ``residual_slot [num_blocks]`` (where the step's partial blocks
     are, -1 elsewhere: read those from the residual) and ``plan``, the step's writes.
+
+    ``refused``, a step flag (int32, one element, on the cache's device) shared by every layer's
+    caches: given, the Triton store refuses NaN and infinities by setting it and writing nothing
+    while it is set, instead of raising there (which waits for the device: a CUDA graph cannot);
+    its owner clears it before the step and raises after (``decode_graphs.py``). Per token only:
+    keys per channel plan their writes on the host each step, so they never run in a graph.
     """
 
     codes: torch.Tensor
@@ -65,6 +71,11 @@ class QuantizedCache:
     residual: torch.Tensor | None = None
     residual_slot: torch.Tensor | None = None
     plan: KeyPlan | None = None
+    refused: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.refused is not None and self.per_channel:
+            raise ValueError("a step flag (refused) serves caches quantized per token only")
 
     @property
     def per_channel(self) -> bool:

@@ -19,21 +19,27 @@ Prefill steps, and decode batches larger than the largest size, run eagerly. So 
 everything on a CPU, where nothing is captured: ``DecodeGraphs(capture=False)`` runs the same
 padded buffers through the model's forward, so that the padding is tested on every machine
 (the same tokens with and without it). Graphs need the Triton backend (the torch reference
-reads the slots back to skip padding, a device sync that capture refuses) and a 16-bit cache:
-a quantized store first checks on the host that every key and value is finite (it refuses NaN
-before writing anything), and keys per channel plan their writes on the host each step. Such a
-cache decodes eagerly; graphs for it need that check done on the device.
+reads the slots back to skip padding, a device sync that capture refuses) and a cache that is
+16-bit or quantized per token; keys per channel plan their writes on the host each step and
+decode eagerly.
+
+A quantized store refuses a step with a NaN or an infinity in its keys or values: eagerly it
+checks on the host before writing (a wait for the GPU, which capture refuses). Here the caches
+carry a step flag instead (``QuantizedCache.refused``): the forward clears it first, a store
+that meets a non-finite value sets it, every store writes nothing while it is set, and ``run``
+raises the same ``ValueError`` after the step, as the eager store would have raised in it.
 """
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from vkv.config import Config
-from vkv.engine.cache_engine import CacheShape
+from vkv.engine.cache_engine import CacheShape, QuantizedCache
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 
 PADDING_SLOT = -1
@@ -51,8 +57,9 @@ def graph_plan(
     device: torch.device, backend: str, shape: CacheShape, enforce_eager: bool, config: Config
 ) -> tuple[list[int], int] | None:
     """The batch sizes and table width of an engine's decode graphs; None where it runs
-    eagerly (not CUDA, not Triton, a quantized cache, or ``enforce_eager``)."""
-    if device.type != "cuda" or backend != "triton" or shape.quantized or enforce_eager:
+    eagerly (not CUDA, not Triton, keys quantized per channel, or ``enforce_eager``)."""
+    per_channel = shape.quantized and shape.key_granularity == "per_channel"
+    if device.type != "cuda" or backend != "triton" or per_channel or enforce_eager:
         return None
     max_blocks = -(-config.max_model_len // config.block_size)
     return graph_batch_sizes(config.max_num_seqs), max_blocks
@@ -72,10 +79,11 @@ class DecodeGraphs:
         block_size: int,
         capture: bool,
     ) -> None:
-        self.model, self.caches, self.backend = model, caches, backend
+        self.model, self.backend = model, backend
         self.sizes, self.capture = sorted(sizes), capture
         device = model.lm_head.weight.device
         largest = self.sizes[-1]
+        self.refused, self.caches = _flagged(caches, device)
 
         def buffer(*shape: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
             return torch.full(shape, fill, dtype=dtype, device=device)
@@ -124,8 +132,12 @@ class DecodeGraphs:
         self.steps += 1
         if size in self.graphs:
             self.graphs[size].replay()
-            return self.logits[size][:num_seqs]
-        return self._forward(size)[:num_seqs]
+            logits = self.logits[size]
+        else:
+            logits = self._forward(size)
+        if self.refused is not None and bool(self.refused):  # waits, as the runner does next
+            raise ValueError("cannot quantize NaN or infinite values")
+        return logits[:num_seqs]
 
     def _stage(self, size, tokens, positions, slots, context_lens, block_tables) -> None:
         """Write the step's rows and ``size - n`` rows of padding into the static buffers."""
@@ -157,7 +169,10 @@ class DecodeGraphs:
         }
 
     def _forward(self, size: int) -> torch.Tensor:
-        """The model's forward over the first ``size`` rows of the buffers."""
+        """The model's forward over the first ``size`` rows of the buffers (the step flag
+        cleared first)."""
+        if self.refused is not None:
+            self.refused.zero_()
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.slot_mapping[:size],
@@ -199,3 +214,12 @@ class DecodeGraphs:
             f"decode replayed from CUDA graphs: {sizes} captured in "
             f"{self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB"
         )
+
+
+def _flagged(caches: Sequence[tuple], device: torch.device) -> tuple[torch.Tensor | None, list]:
+    """A step flag and ``caches`` carrying it, for caches quantized per token (None and the
+    caches as they are otherwise: nothing there refuses on the device)."""
+    if not isinstance(caches[0][0], QuantizedCache) or caches[0][0].per_channel:
+        return None, list(caches)
+    refused = torch.zeros((), dtype=torch.int32, device=device)
+    return refused, [tuple(replace(c, refused=refused) for c in layer) for layer in caches]

@@ -44,12 +44,6 @@ def store_kvcache(
     _slots(v_cache)[slots] = value[keep]
 
 
-def refuse_non_finite(key: torch.Tensor, value: torch.Tensor) -> None:
-    """``ValueError`` if a key or value is NaN or infinite (one device sync)."""
-    if not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):
-        raise ValueError("cannot quantize NaN or infinite values")
-
-
 def _slots(cache: torch.Tensor) -> torch.Tensor:
     """``[num_blocks, block_size, ...]`` seen as ``[num_slots, ...]``."""
     return cache.view(-1, *cache.shape[2:])

@@ -7,7 +7,12 @@
   step fills are quantized by ``quantized.store_keys_per_channel`` (torch: a few blocks a step,
   shared with the reference).
 
-A slot of -1 (padding) is skipped. Every kernel here and in ``triton_attention.py`` reads its
+A slot of -1 (padding) is skipped. A quantized store writes nothing if any key or value of the step
+is NaN or infinite (Phase 3's "all or nothing"): eagerly it raises before writing (one wait for
+the GPU); a CUDA graph cannot wait, so a cache that carries a step flag (``refused``) has the
+kernels read the flag instead, and whoever set it raises after the step (``decode_graphs.py``).
+
+Every kernel here and in ``triton_attention.py`` reads its
 tensors through raw pointers, so the wrappers first check that all of them are on one device
 (``check_devices``): a tensor elsewhere is a ``ValueError`` naming it, not a crash or garbage.
 """
@@ -18,7 +23,6 @@ import triton.language as tl
 
 from vkv.engine.cache_engine import QuantizedCache
 from vkv.kernels.quantized import store_keys_per_channel
-from vkv.kernels.reference import refuse_non_finite
 
 PLANES = ("codes", "scale", "zero", "residual", "residual_slot")  # a QuantizedCache's tensors
 
@@ -79,7 +83,7 @@ def store_kvcache(
     if key.stride(-1) != 1 or key.stride(1) != head_dim or value.stride(1) != head_dim:
         raise ValueError("key and value must be contiguous in their last two dimensions")
     if isinstance(k_cache, QuantizedCache):
-        refuse_non_finite(key, value)  # before any write
+        refused = _refusal(key, value, k_cache)  # before any write
         pairs = [(key, k_cache), (value, v_cache)]
         if k_cache.per_channel:
             store_keys_per_channel(key, k_cache)
@@ -95,6 +99,7 @@ def store_kvcache(
                 cache.scale,
                 cache.zero,
                 slot_mapping,
+                refused,
                 rows.stride(0),
                 rows.stride(1),
                 codes.stride(1),
@@ -128,6 +133,7 @@ def _store_quantized_kernel(
     scale_ptr,
     zero_ptr,
     slot_ptr,
+    refused_ptr,
     stride_x_token,
     stride_x_head,
     stride_code_slot,
@@ -139,14 +145,17 @@ def _store_quantized_kernel(
     BITS: tl.constexpr,
 ):
     """One (token, KV head) row: its minimum, scale and codes (``quantizer.py``'s formulas,
-    halves rounded up rather than to even), written to the token's slot unless it is -1."""
+    halves rounded up rather than to even), written to the token's slot unless it is -1 or the
+    step is refused (``refused_ptr`` holds 1)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     given = tl.load(slot_ptr + token).to(tl.int64)
     slot = tl.maximum(given, 0)
     row_ptr = x_ptr + token * stride_x_token + head * stride_x_head
     dims = tl.arange(0, BLOCK_D)
-    write = (dims * 0 + given) >= 0  # -1: padding, nothing written (as a vector mask)
+    # -1: padding, nothing written (as a vector mask); nor anything in a refused step
+    writes = ((given >= 0) & (tl.load(refused_ptr) == 0)).to(tl.int32)
+    write = (dims * 0 + writes) > 0
     in_row = dims < HEAD_DIM
     x = tl.load(row_ptr + dims, mask=in_row, other=0.0).to(tl.float32)
     low = tl.min(tl.where(in_row, x, float("inf")), 0)
@@ -166,9 +175,22 @@ def _store_quantized_kernel(
         low_codes = tl.minimum(tl.maximum(tl.floor((even - low) / step + 0.5), 0.0), levels)
         high_codes = tl.minimum(tl.maximum(tl.floor((odd - low) / step + 0.5), 0.0), levels)
         packed = low_codes.to(tl.int32) | (high_codes.to(tl.int32) << 4)
-        tl.store(codes_at + pairs, packed.to(tl.uint8), mask=in_pairs & ((pairs * 0 + given) >= 0))
+        tl.store(codes_at + pairs, packed.to(tl.uint8), mask=in_pairs & ((pairs * 0 + writes) > 0))
     first = dims < 1  # the scale and the zero, stored through the row's first lane
     scales_at = scale_ptr + slot * stride_scale_slot + head * stride_scale_head + dims
     zeros_at = zero_ptr + slot * stride_scale_slot + head * stride_scale_head + dims
     tl.store(scales_at, (x * 0 + step_size).to(scale_ptr.dtype.element_ty), mask=first & write)
     tl.store(zeros_at, (x * 0 + low).to(zero_ptr.dtype.element_ty), mask=first & write)
+
+
+def _refusal(key: torch.Tensor, value: torch.Tensor, k_cache: QuantizedCache) -> torch.Tensor:
+    """The step's refusal flag (int32, one element, on the device): 1 if nothing may be written.
+    A NaN or an infinity in ``key`` or ``value`` raises ``ValueError`` here, after one wait for
+    the device, unless ``k_cache`` carries a step flag (``refused``): then it sets the flag,
+    which stays set for the step's later layers, and the flag's owner raises after the step."""
+    non_finite = ~(torch.isfinite(key).all() & torch.isfinite(value).all())
+    if k_cache.refused is None:
+        if bool(non_finite):
+            raise ValueError("cannot quantize NaN or infinite values")
+        return non_finite.to(torch.int32)
+    return k_cache.refused.bitwise_or_(non_finite)
