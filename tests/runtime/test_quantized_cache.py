@@ -515,6 +515,35 @@ def test_a_nan_key_per_channel_leaves_cache_and_residual_as_they_were(backend, d
     assert engine.residual.keys.abs().sum() == 0
 
 
+@pytest.mark.parametrize("block_size", [16, 48, 64])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_triton_folds_a_blocks_channel_scales_into_the_query_as_the_reference_reads(
+    bits, block_size
+):
+    """Blocks of a multiple of 16 tokens: a tile inside one block, its keys' scales folded into
+    the query (``FOLD_KEYS``: tiles of 16, 16 and 64 here), full blocks and a partial one in the
+    residual, one split or several (a split is whole tiles)."""
+    torch.manual_seed(40 + bits)
+    shape = CacheShape(2, block_size, HEADS, DIM, torch.float32, f"int{bits}", "per_channel")
+    engine = CacheEngine(shape, 8, 0, torch.device(KERNEL_DEVICE), residual_slots=4)
+    tables, lengths = [[3, 1, 6], [5, 2, -1]], [2 * block_size + 5, block_size + 3]
+    slots = [
+        table[i // block_size] * block_size + i % block_size
+        for table, length in zip(tables, lengths, strict=True)
+        for i in range(length)
+    ]
+    keys = torch.randn(len(slots), HEADS, DIM, device=KERNEL_DEVICE) * 3
+    store(engine, keys, torch.randn_like(keys), slots)
+    assert_triton_reads_as_the_reference(engine.layer(1), tables, lengths)
+    query = torch.randn(2, 4, DIM, device=KERNEL_DEVICE)
+    args = (*engine.layer(0), torch.tensor(tables, device=KERNEL_DEVICE).int())
+    args += (torch.tensor(lengths, device=KERNEL_DEVICE).int(), DIM**-0.5)
+    expected = reference.paged_decode_attention(query, *args)
+    for splits in (2, 5):
+        got = triton_attention.paged_decode_attention(query, *args, num_splits=splits)
+        assert torch.allclose(got, expected, atol=2e-5), f"{splits} splits"
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_swap_preemption_with_keys_per_channel_gives_the_tokens_of_an_ample_pool(bits, device):
     """A swap moves codes, scales and residual rows exactly. (Recompute is not exact with keys

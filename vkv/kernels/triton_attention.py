@@ -22,13 +22,21 @@ A quantized cache (``QuantizedCache``, Phase 3) goes through the same kernel: a 
 scales and zeros and dequantizes them in registers before the dot products (``_load_rows`` calls
 ``triton_quantized.load_dequantized``, part 3.8), so a quantized block is read as bytes, never
 expanded in memory. Keys per channel have a scale per (block, head, channel), and a partial
-block's keys are read from the residual. Storing is ``triton_store.py``'s.
+block's keys are read from the residual. Where a tile lies inside one block (``FOLD_KEYS``: the
+block size a multiple of 16, tiles of a power of two that divides it), the block's channel
+scales fold into the query, as KIVI does: ``q · (c ∘ s + z) = (q ∘ s) · c + q · z``. The tile's
+codes then come through ``load_dequantized`` with a unit scale, and its scale and zero rows are
+one load each a tile instead of one a lane. Storing is ``triton_store.py``'s.
+
+A split of the context is a whole number of tiles, so that tiles start where blocks do.
 
 On a CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, fp32 and fp16;
 bf16 is broken there). Tile sizes respect the GPU's minimum ``tl.dot`` shapes (16), so what
 passes on the CPU also compiles for an H200; fp32 dots use IEEE precision, not TF32. Scores,
 softmax and the weighted sum are float32 whatever the query's dtype.
 """
+
+import math
 
 import torch
 import triton
@@ -55,6 +63,7 @@ def _attention_kernel(
     v_zero_ptr,
     residual_ptr,
     residual_slot_ptr,
+    unit_ptr,
     cu_seqlens_ptr,
     block_tables_ptr,
     context_lens_ptr,
@@ -91,6 +100,7 @@ def _attention_kernel(
     NUM_SPLITS: tl.constexpr,
     BITS: tl.constexpr,
     KEYS_PER_CHANNEL: tl.constexpr,
+    FOLD_KEYS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """``BLOCK_M`` query rows of sequence ``program_id(0)`` against one KV head. Each row is a
@@ -103,7 +113,7 @@ def _attention_kernel(
     if DECODE:  # rows: the query heads of KV head program_id(1); a split of the context
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
-        split_len = tl.cdiv(context, NUM_SPLITS)
+        split_len = tl.cdiv(tl.cdiv(context, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = split * split_len
         end = tl.minimum(start + split_len, context)
         tokens = seq + rows * 0
@@ -143,19 +153,7 @@ def _attention_kernel(
         slots = positions % BLOCK_SIZE
         rows_at = blocks * stride_block + slots * stride_slot + kv_head * stride_head
         scales_at = blocks * scale_block + slots * scale_slot + kv_head * scale_head
-        k_scales_at = blocks * k_scale_block + slots * k_scale_slot + kv_head * k_scale_head
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = _load_rows(
-            k_ptr,
-            k_scale_ptr,
-            k_zero_ptr,
-            rows_at,
-            k_scales_at,
-            dims,
-            kv_mask,
-            BITS,
-            KEYS_PER_CHANNEL,
-        )
         if KEYS_PER_CHANNEL:  # a partial block's keys are in the residual, as values
             held = tl.load(residual_slot_ptr + blocks, mask=pos_mask, other=-1).to(tl.int64)
             in_residual = (held >= 0)[:, None]
@@ -164,10 +162,45 @@ def _attention_kernel(
                 residual_ptr + residual_at[:, None] + dims[None, :],
                 mask=kv_mask & in_residual,
                 other=0.0,
+            ).to(tl.float32)
+        if FOLD_KEYS:  # one block a tile: codes at a unit scale; the block's scales fold into q
+            codes = load_dequantized(
+                k_ptr,
+                unit_ptr,
+                unit_ptr + 1,
+                rows_at,
+                positions * 0,
+                dims,
+                kv_mask & (held < 0)[:, None],
+                BITS,
+                False,
             )
-            k = tl.where(in_residual, residual.to(tl.float32), k)
-        k = k.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            block = tl.load(table_ptr + tile // BLOCK_SIZE).to(tl.int64)
+            channels_at = block * k_scale_block + kv_head * k_scale_head + dims
+            scaled = dim_mask & (dims * 0 + tl.max(held, 0) < 0)  # residual: scale 1, zero 0
+            s = tl.load(k_scale_ptr + channels_at, mask=scaled, other=1.0).to(tl.float32)
+            z = tl.load(k_zero_ptr + channels_at, mask=scaled, other=0.0).to(tl.float32)
+            q_scaled = (q.to(tl.float32) * s[None, :]).to(q.dtype)
+            k = (codes + residual).to(q.dtype)
+            scores = tl.dot(q_scaled, tl.trans(k), input_precision=PRECISION)
+            scores += tl.sum(q.to(tl.float32) * z[None, :], 1)[:, None]
+        else:
+            k_scales_at = blocks * k_scale_block + slots * k_scale_slot + kv_head * k_scale_head
+            k = _load_rows(
+                k_ptr,
+                k_scale_ptr,
+                k_zero_ptr,
+                rows_at,
+                k_scales_at,
+                dims,
+                kv_mask,
+                BITS,
+                KEYS_PER_CHANNEL,
+            )
+            if KEYS_PER_CHANNEL:
+                k = tl.where(in_residual, residual, k)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        scores = scores * scale
         if DECODE:  # every cached token of the split precedes the one new token
             visible = pos_mask[None, :]
         else:  # causal: a new token sees the context up to its own position
@@ -441,6 +474,14 @@ def _launch(
     tile of ``rows`` new tokens)). ``outputs``: the output and log-sum-exp tensors and their
     strides, as the kernel takes them."""
     caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
+    block_size = caches[0].shape[1]
+    block_n = max(MIN_DOT, block_n)
+    fold_keys = keys_per_channel and block_size % MIN_DOT == 0
+    unit = query  # the unit scale and zero of folded keys' codes (else never read)
+    if fold_keys:  # a tile inside a block: the largest power of two up to block_n dividing it
+        block_n = math.gcd(block_size, block_n)
+        unit = torch.zeros(2, dtype=torch.float32, device=query.device)
+        unit[0] = 1.0
     num_seqs, num_heads, head_dim = len(context_lens), query.shape[1], query.shape[2]
     group = _check_layout(query, caches[0], caches[1])
     if rows is None:
@@ -451,6 +492,7 @@ def _launch(
     _attention_kernel[grid](
         query,
         *caches,
+        unit,
         cu_seqlens,
         block_tables,
         context_lens,
@@ -465,11 +507,12 @@ def _launch(
         BLOCK_M=max(MIN_DOT, block_m),
         HEAD_DIM=head_dim,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=caches[0].shape[1],
-        BLOCK_N=max(MIN_DOT, block_n),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         BITS=bits,
         KEYS_PER_CHANNEL=keys_per_channel,
+        FOLD_KEYS=fold_keys,
         # fp32 dots in IEEE precision: TF32 would lose bits that the float32 tests see
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
