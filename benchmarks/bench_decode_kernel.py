@@ -13,12 +13,18 @@ from the residual), whose bytes read are the codes plus the scales, with its tim
 fp16's. Times are medians of CUDA-event
 timings.
 
-    python benchmarks/bench_decode_kernel.py [--out DIR]
+``--sweep`` times the launch options instead (``SWEEP``: tokens a tile, warps, pipeline
+stages; a tile is one block for keys per channel, so there only warps and stages), for each
+format, and writes ``decode_sweep.json``: the fastest options beside the defaults, for the
+defaults of ``triton_attention.paged_decode_attention`` to follow.
+
+    python benchmarks/bench_decode_kernel.py [--sweep] [--out DIR]
 
 Without CUDA it says so and exits: there are no GPU figures to report.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -31,6 +37,9 @@ from vkv.engine.quantizer import Quantizer
 from vkv.kernels import reference, triton_attention
 
 BATCH, CONTEXT, KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 64, 4096, 8, 4, 128, 16
+SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
+DEFAULTS = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+QUANTIZED = ((8, "per token"), (4, "per token"), (8, "keys per channel"), (4, "keys per channel"))
 
 
 def median_ms(run, repeat: int = 20) -> float:
@@ -74,8 +83,34 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() * source.element_size() / (ms / 1e3)
 
 
+def sweep(formats: dict, decode, kv_bytes: dict) -> list[dict]:
+    """Each format's median time at every combination of ``SWEEP`` (block_n fixed for keys
+    per channel), fastest first within a format, each with its speed against the defaults."""
+    rows = []
+    for name, (k, v) in formats.items():
+        grid = dict(SWEEP, block_n=(64,)) if "per channel" in name else SWEEP
+        timed = []
+        for options in itertools.product(*grid.values()):
+            launch = dict(zip(grid, options, strict=True))
+            ms = median_ms(lambda k=k, v=v, o=launch: decode(k, v, **o), repeat=10)
+            timed.append(launch | {"format": name, "ms": ms})
+        default = next(row for row in timed if row.items() >= DEFAULTS.items())["ms"]
+        for row in sorted(timed, key=lambda row: row["ms"]):
+            row["gb_per_s"] = kv_bytes[name] / (row["ms"] / 1e3) / 1e9
+            row["speedup_over_defaults"] = default / row["ms"]
+            rows.append(row)
+        best = rows[-len(timed)]
+        print(
+            f"{name:>28}: defaults {default:.3f} ms; best {best['ms']:.3f} ms "
+            f"({best['speedup_over_defaults']:.2f}x) at block_n {best['block_n']}, "
+            f"{best['num_warps']} warps, {best['num_stages']} stages"
+        )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="time the launch options")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -93,51 +128,52 @@ def main() -> int:
     scale = HEAD_DIM**-0.5
     kv_bytes = 2 * BATCH * CONTEXT * KV_HEADS * HEAD_DIM * 2
 
+    formats = {"16-bit": (k_cache, v_cache)}
+    for bits, keys in QUANTIZED:
+        k_q = quantized(k_cache, bits) if keys == "per token" else channel_keys(k_cache, bits)
+        formats[f"int{bits} KV, {keys}"] = (k_q, quantized(v_cache, bits))
+    read = {
+        name: sum(t.numel() * t.element_size() for c in kv for t in (c.codes, c.scale, c.zero))
+        for name, kv in formats.items()
+        if name != "16-bit"
+    } | {"16-bit": kv_bytes}
+
+    def decode(k, v, **options):
+        return triton_attention.paged_decode_attention(query, k, v, tables, lens, scale, **options)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    if args.sweep:
+        rows = sweep(formats, decode, read)
+        (out / "decode_sweep.json").write_text(json.dumps({"device": device, "rows": rows}))
+        return 0
     expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
-    got = triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
-    error = float((got.float() - expected.float()).abs().max())
+    error = float((decode(k_cache, v_cache).float() - expected.float()).abs().max())
     peak = copy_bandwidth()
     rows = []
     candidates = [("triton, default split", None)] + [
         (f"triton, {n} splits", n) for n in (1, 4, 8, 16, 32)
     ]
     for name, splits in candidates:
-        ms = median_ms(
-            lambda s=splits: triton_attention.paged_decode_attention(
-                query, k_cache, v_cache, tables, lens, scale, num_splits=s
-            )
-        )
+        ms = median_ms(lambda s=splits: decode(k_cache, v_cache, num_splits=s))
         rows.append({"kernel": name, "ms": ms, "gb_per_s": kv_bytes / (ms / 1e3) / 1e9})
     ms = median_ms(
         lambda: reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
     )
     rows.append({"kernel": "torch reference", "ms": ms, "gb_per_s": kv_bytes / (ms / 1e3) / 1e9})
     fp16_ms = rows[0]["ms"]
-    for bits, keys in (
-        (8, "per token"),
-        (4, "per token"),
-        (8, "keys per channel"),
-        (4, "keys per channel"),
-    ):
-        k_q = quantized(k_cache, bits) if keys == "per token" else channel_keys(k_cache, bits)
-        v_q = quantized(v_cache, bits)
-        read = sum(
-            t.numel() * t.element_size() for c in (k_q, v_q) for t in (c.codes, c.scale, c.zero)
-        )
-        ms = median_ms(
-            lambda k=k_q, v=v_q: triton_attention.paged_decode_attention(
-                query, k, v, tables, lens, scale
-            )
-        )
+    for name, (k, v) in list(formats.items())[1:]:
+        ms = median_ms(lambda k=k, v=v: decode(k, v))
         rows.append(
             {
-                "kernel": f"triton, int{bits} KV, {keys}",
+                "kernel": f"triton, {name}",
                 "ms": ms,
-                "gb_per_s": read / (ms / 1e3) / 1e9,
+                "gb_per_s": read[name] / (ms / 1e3) / 1e9,
                 "speedup_over_fp16": fp16_ms / ms,
             }
         )
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {peak / 1e9:,.0f} GB/s")
+    print(f"{device}: copy bandwidth {peak / 1e9:,.0f} GB/s")
     print(f"K/V read per step: {kv_bytes / 2**30:.2f} GiB; max |triton - torch| = {error:.2e}")
     for row in rows:
         row["share_of_copy_bandwidth"] = row["gb_per_s"] * 1e9 / peak
@@ -145,9 +181,7 @@ def main() -> int:
             f"{row['kernel']:>24}: {row['ms']:8.3f} ms  {row['gb_per_s']:8,.0f} GB/s  "
             f"{row['share_of_copy_bandwidth']:6.1%} of copy"
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "copy_gb_per_s": peak / 1e9, "rows": rows}
+    result = {"device": device, "copy_gb_per_s": peak / 1e9, "rows": rows}
     (out / "decode_kernel.json").write_text(json.dumps(result | {"max_error": error}, indent=2))
     return 0
 

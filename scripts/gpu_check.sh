@@ -7,20 +7,20 @@
 # 1. tests: the GPU-path tests (tests/runtime, Phase 3's graded and hidden tests) with CUDA
 #    present (the CUDA-graph test and the Triton layer ops among them);
 # 2. decode_kernel: benchmarks/bench_decode_kernel.py, the paged decode kernel's bandwidth,
-#    16-bit and quantized;
+#    16-bit and quantized; decode_sweep: the same with --sweep, each format's fastest launch
+#    options (tokens a tile, warps, stages) against the defaults;
 # 3. startup: how long LLM() takes to start with vkv-tiny (the bar: 10 s);
 # 4. decode_step: benchmarks/bench_decode_step.py on Qwen3-0.6B's shape (random weights,
 #    nano-vLLM's lengths, 128 requests): 16-bit from CUDA graphs and eager, INT8 and INT4;
 #    tokens/s, a full-batch decode step's time and GPU-busy share;
 # 5. e2e: `vkv bench e2e --device cuda` on the same weights and lengths against transformers.
 #
-# All stages' limits add up to about 12 minutes, more than one 10-minute call on a lent
-# device: run them as two calls (STAGES="tests decode_kernel startup", then
+# All stages' limits add up to about 15 minutes, more than one 10-minute call on a lent
+# device: run them as two calls (STAGES="tests decode_kernel decode_sweep startup", then
 # STAGES="decode_step e2e", the same OUT); the summary reads what is there.
 #
 # Runs with the machine's own python3 (torch, Triton, transformers, pytest), no uv, the tree on
-# PYTHONPATH; set PYTHON to use another interpreter. Each stage has a time limit (about 6
-# minutes in all). A test file whose imports are missing there (the server's fastapi, the
+# PYTHONPATH; set PYTHON to use another interpreter. Each stage has a time limit. A test file whose imports are missing there (the server's fastapi, the
 # browser tests' selenium, ...) is not run, and OUT/gpu_check.json says which and why, with
 # every figure of the run. Exit status: 0 when every stage ran and no test failed, 1 otherwise,
 # 2 without a CUDA GPU.
@@ -36,7 +36,7 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 mkdir -p "$OUT"
-STAGES=${STAGES:-tests decode_kernel startup decode_step e2e}
+STAGES=${STAGES:-tests decode_kernel decode_sweep startup decode_step e2e}
 for name in $STAGES; do  # this run's stages start afresh; what another run left stays
     rm -f "$OUT/$name.log" "$OUT/$name.json"
     [ "$name" != tests ] || rm -f "$OUT/tests.xml"
@@ -61,6 +61,7 @@ stage tests 210 "$PYTHON" -m pytest tests/runtime tests/test_phase3.py \
     tests/hidden/test_phase3_hidden.py -q -n 8 -p no:cacheprovider \
     --continue-on-collection-errors --timeout 150 --junitxml "$OUT/tests.xml"
 stage decode_kernel 60 "$PYTHON" benchmarks/bench_decode_kernel.py --out "$OUT"
+stage decode_sweep 150 "$PYTHON" benchmarks/bench_decode_kernel.py --sweep --out "$OUT"
 stage startup 30 "$PYTHON" -c '
 import json, os, time
 started = time.perf_counter()

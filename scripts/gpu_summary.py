@@ -92,6 +92,15 @@ def report(result: dict) -> None:
     for row in (result["decode_kernel"] or {}).get("rows", []):
         share = row["share_of_copy_bandwidth"]
         print(f"  {row['kernel']:>32}: {row['ms']:.3f} ms, {share:.1%} of copy bandwidth")
+    best = {}  # each format's fastest launch options (rows come fastest first)
+    for row in (result["decode_sweep"] or {}).get("rows", []):
+        best.setdefault(row["format"], row)
+    for name, row in best.items():
+        print(
+            f"  {name:>32}: fastest at block_n {row['block_n']}, {row['num_warps']} warps, "
+            f"{row['num_stages']} stages: {row['ms']:.3f} ms "
+            f"({row['speedup_over_defaults']:.2f}x the defaults)"
+        )
     for name, row in (result["decode_step"] or {}).items():
         busy, step = row["gpu_busy_share"], row["full_decode_step_ms"]
         print(
@@ -124,6 +133,7 @@ def main(out: Path) -> int:
         "tests": tests,
         "startup": read_json(out / "startup.json"),
         "decode_kernel": read_json(out / "decode_kernel.json"),
+        "decode_sweep": read_json(out / "decode_sweep.json"),
         "decode_step": read_json(out / "decode_step.json"),
         "e2e": read_json(out / "e2e.json"),
     }

@@ -61,6 +61,13 @@ def test_the_summary_counts_failures_names_files_not_run_and_stages_cut_short(tm
     (tmp_path / "tests.log").write_text(LOG)
     (tmp_path / "stages.txt").write_text("tests 1 150\ndecode_kernel 0 20\ne2e 124 200\n")
     (tmp_path / "startup.json").write_text(json.dumps({"llm_startup_seconds": 2.5}))
+    swept = [  # fastest first, as bench_decode_kernel.py --sweep writes them
+        {"format": "16-bit", "block_n": 32, "num_warps": 8, "num_stages": 2, "ms": 0.3},
+        {"format": "16-bit", "block_n": 64, "num_warps": 4, "num_stages": 3, "ms": 0.36},
+    ]
+    for row in swept:
+        row["speedup_over_defaults"] = 0.36 / row["ms"]
+    (tmp_path / "decode_sweep.json").write_text(json.dumps({"device": "H200", "rows": swept}))
     assert summary_module().main(tmp_path) == 1
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     tests = result["tests"]
@@ -75,6 +82,9 @@ def test_the_summary_counts_failures_names_files_not_run_and_stages_cut_short(tm
     assert result["e2e"] is None and result["startup"] == {"llm_startup_seconds": 2.5}
     printed = capsys.readouterr().out
     assert "not run: tests/runtime/test_server.py: ModuleNotFoundError" in printed
+    assert "16-bit: fastest at block_n 32, 8 warps, 2 stages: 0.300 ms (1.20x the defaults)" in (
+        printed
+    )
 
 
 def test_a_run_whose_only_trouble_is_a_file_it_cannot_import_is_clean(tmp_path):

@@ -364,10 +364,14 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K;
-    by default one per 512 tokens the block tables can reach, at most 16). ``ValueError`` for
-    a tensor on another device than the query (``check_devices``)."""
+    by default one per 512 tokens the block tables can reach, at most 16). ``block_n`` (tokens
+    a tile), ``num_warps`` and ``num_stages`` (Triton's: warps a program, loads in flight) tune
+    the launch on a GPU (``benchmarks/bench_decode_kernel.py --sweep``). ``ValueError`` for a
+    tensor on another device than the query (``check_devices``)."""
     check_devices(
         "query",
         query,
@@ -399,6 +403,7 @@ def paged_decode_attention(
         outputs=(mid_out, mid_lse, *mid_out.stride()[:3], *mid_lse.stride()[:2]),
         rows=None,
         num_splits=num_splits,
+        tuning={"num_warps": num_warps, "num_stages": num_stages},
     )
     out = torch.empty_like(query)
     _decode_merge_kernel[(batch, num_heads)](
@@ -452,6 +457,7 @@ def paged_prefill_attention(
         outputs=(out, out, *out.stride()[:2], 0, 0, 0),
         rows=max(MIN_DOT, block_m),
         num_splits=1,
+        tuning={},
     )
     return out
 
@@ -468,11 +474,12 @@ def _launch(
     outputs: tuple,
     rows: int | None,
     num_splits: int,
+    tuning: dict[str, int],
 ) -> None:
     """Run ``_attention_kernel`` for decode (``rows`` None: a program per (sequence, KV head,
     split), its rows the KV head's query heads) or prefill (a program per (sequence, query head,
     tile of ``rows`` new tokens)). ``outputs``: the output and log-sum-exp tensors and their
-    strides, as the kernel takes them."""
+    strides, as the kernel takes them; ``tuning``: Triton's launch options (warps, stages)."""
     caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
     block_size = caches[0].shape[1]
     block_n = max(MIN_DOT, block_n)
@@ -515,4 +522,5 @@ def _launch(
         FOLD_KEYS=fold_keys,
         # fp32 dots in IEEE precision: TF32 would lose bits that the float32 tests see
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        **tuning,
     )

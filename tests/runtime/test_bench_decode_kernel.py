@@ -1,0 +1,46 @@
+"""The decode-kernel benchmark's launch sweep, with the timing stubbed (the timings themselves
+need a GPU: ``scripts/gpu_check.sh``'s ``decode_sweep`` stage): every combination of
+``SWEEP`` is timed once per format, the tile fixed where keys are per channel (one block a
+tile), fastest first, each against the defaults."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_decode_kernel
+
+
+def test_the_sweep_times_every_combination_and_compares_it_with_the_defaults(monkeypatch):
+    calls = []
+
+    def fake_ms(run, repeat):
+        return run()
+
+    def decode(k, v, block_n, num_warps, num_stages):
+        calls.append((k, block_n, num_warps, num_stages))
+        return 1.0 + block_n / 64 + num_stages / 10 - num_warps / 100  # made-up milliseconds
+
+    monkeypatch.setattr(bench_decode_kernel, "median_ms", fake_ms)
+    formats = {"16-bit": ("fp16", None), "int8 KV, keys per channel": ("channel", None)}
+    read = {"16-bit": 2e9, "int8 KV, keys per channel": 1e9}
+    rows = bench_decode_kernel.sweep(formats, decode, read)
+    assert len([c for c in calls if c[0] == "fp16"]) == 3 * 2 * 2
+    assert {c[1] for c in calls if c[0] == "channel"} == {64}, "one block a tile: no tile sweep"
+    fastest = rows[0]
+    assert (fastest["block_n"], fastest["num_warps"], fastest["num_stages"]) == (32, 8, 2)
+    default_ms = 1.0 + 1 + 0.3 - 0.04
+    assert fastest["speedup_over_defaults"] == pytest.approx(default_ms / fastest["ms"])
+    assert fastest["gb_per_s"] == pytest.approx(2e9 / (fastest["ms"] / 1e3) / 1e9)
+    channel = [row for row in rows if row["format"] == "int8 KV, keys per channel"]
+    assert len(channel) == 4 and channel[0]["ms"] <= channel[-1]["ms"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU measures instead")
+def test_without_cuda_it_says_the_kernel_is_unmeasured(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["bench_decode_kernel.py", "--sweep", "--out", str(tmp_path)])
+    assert bench_decode_kernel.main() == 0
+    assert "unmeasured" in capsys.readouterr().out
