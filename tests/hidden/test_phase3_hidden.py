@@ -1026,7 +1026,8 @@ def _tile_kernel(
 
 @seeded
 def test_part8_drawn_tiles_are_read_lane_by_lane(rng):
-    for _ in range(4):
+    for trial in range(4):  # scales and zeros in float32, then float16 (the engine's on a GPU)
+        dtype = torch.float16 if trial % 2 else torch.float32
         bits, per_channel = rng.choice([8, 4]), rng.random() < 0.5
         dim, tokens, block_d = 2 * rng.randint(1, 8), rng.choice([2, 4, 8]), 16
         width = dim * bits // 8
@@ -1034,10 +1035,11 @@ def test_part8_drawn_tiles_are_read_lane_by_lane(rng):
         codes = [rng.randrange(256) for _ in range(rows * width)]
         per_row = dim if per_channel else 1
         planes = rows * per_row + block_d  # room past the last row for unmasked lanes
-        scale = [rng.uniform(0.01, 2.0) for _ in range(planes)]
-        zero = [rng.uniform(-5.0, 5.0) for _ in range(planes)]
+        scale = torch.tensor([rng.uniform(0.01, 2.0) for _ in range(planes)], dtype=dtype)
+        zero = torch.tensor([rng.uniform(-5.0, 5.0) for _ in range(planes)], dtype=dtype)
         picked = rng.sample(range(rows), tokens)  # distinct rows, out of order
         valid = [int(rng.random() < 0.7) for _ in range(tokens)]
+        valid[rng.randrange(tokens)] = 1
         for t in range(tokens):  # a masked token's planes hold NaN: nothing may read them
             if not valid[t]:
                 for i in range(per_row):
@@ -1046,7 +1048,7 @@ def test_part8_drawn_tiles_are_read_lane_by_lane(rng):
         launched(
             _tile_kernel[(1,)],
             torch.tensor(codes, dtype=torch.uint8, device=DEVICE),
-            torch.tensor(scale, device=DEVICE), torch.tensor(zero, device=DEVICE),
+            scale.to(DEVICE), zero.to(DEVICE),
             torch.tensor([p * width for p in picked], device=DEVICE),
             torch.tensor([p * per_row for p in picked], device=DEVICE),
             torch.tensor(valid, dtype=torch.int32, device=DEVICE), out, dim,
@@ -1060,9 +1062,10 @@ def test_part8_drawn_tiles_are_read_lane_by_lane(rng):
                 expected = 0.0
                 if valid[t] and i < dim:
                     at = picked[t] * per_row + (i if per_channel else 0)
-                    expected = unpacked[i] * scale[at] + zero[at]
+                    expected = unpacked[i] * float(scale[at]) + float(zero[at])
                 assert abs(float(got[t, i]) - expected) <= 1e-5 * max(1.0, abs(expected)), (
-                    f"INT{bits}{' per channel' if per_channel else ''}, head_dim {dim}: lane "
+                    f"INT{bits}{' per channel' if per_channel else ''}, head_dim {dim}, scales "
+                    f"in {dtype} (the multiply-add in float32): lane "
                     f"(token {t}, channel {i}) is {float(got[t, i])}, expected {expected} "
                     f"({'masked: 0.0' if not valid[t] or i >= dim else 'code * scale + zero'})"
                 )

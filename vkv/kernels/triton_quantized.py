@@ -10,7 +10,7 @@ zero`` in float32, in registers. The dequantized values never exist in memory: t
 faster to read on a GPU, not only smaller.
 
 What the kernel has done before it calls you (you receive these; all offsets are in elements of
-the plane they index, and each plane's strides are already applied):
+the plane they index, bytes for the codes plane, and each plane's strides are already applied):
 
 - ``rows_at [BLOCK_N]`` (int64): where each token's codes for this KV head start in the codes
   plane: byte ``rows_at[t] + i`` holds code ``i`` (INT8) and byte ``rows_at[t] + i // 2`` holds
@@ -19,17 +19,20 @@ the plane they index, and each plane's strides are already applied):
 - ``scales_at [BLOCK_N]`` (int64): where each token's scale is in the scale plane, and its zero
   at the same offset of the zero plane. Per token (``PER_CHANNEL`` false) one scale and one zero
   serve the token's whole row; keys per channel (``PER_CHANNEL`` true) have one per channel,
-  ``scales_at[t] + i`` for channel ``i``.
+  ``scales_at[t] + i`` for channel ``i``. A tile may span several blocks: tokens of different
+  blocks have different ``scales_at``.
 - ``dims [BLOCK_D]``: the channels ``0 .. BLOCK_D - 1``; ``BLOCK_D`` is ``head_dim`` rounded up
   to a power of two (at least 16), so lanes at and past ``head_dim`` are padding.
 - ``mask [BLOCK_N, BLOCK_D]``: the lanes that are real: a token inside its sequence's context
-  and a channel below ``head_dim``. A masked token's block is whatever the kernel's masked table
-  load gave (block 0): its slots may be another sequence's or hold anything.
+  and a channel below ``head_dim`` (so a token is real when any of its lanes is). A masked
+  token's block is whatever the kernel's masked table load gave (block 0): its slots may be
+  another sequence's or hold anything.
 
 The contract:
 
-- ``result[t, i] = code(t, i) · scale + zero`` in float32 for every lane of ``mask``, with the
-  token's scale and zero (per token) or the channel's (per channel);
+- ``result[t, i] = code(t, i) · scale + zero``, computed in float32 (the scale and zero
+  converted before the multiply-add), for every lane of ``mask``, with the token's scale and
+  zero (per token) or the channel's (per channel);
 - every masked lane is ``0.0``, and the load touches no memory for it (on a GPU an unmasked
   load past a plane's end is an illegal access; in the kernel a masked value's lane still meets
   a zero weight, and ``0 · NaN`` is NaN);
@@ -42,8 +45,13 @@ reads, never its time.
 
 A Triton function body is traced, not run line by line: use ``tl.load`` with ``mask`` and
 ``other``, tensor arithmetic, broadcasting with ``[:, None]`` / ``[None, :]``, ``tl.where`` and
-``x.to(tl.float32)``; no Python loops over lanes, no ``.item()``. Under ``TRITON_INTERPRET=1``
-(set by the tests on a CPU) the same code runs as NumPy, so a ``print`` in it works there.
+``x.to(tl.float32)``; no Python loops over lanes, no ``.item()``. The names this part's
+allowlist adds (``assignment/parts.toml``): ``load``, ``to``, ``where``, ``max``, ``min``,
+``maximum``, ``minimum``, ``sum``, ``full``, ``zeros``, ``zeros_like``, ``arange``,
+``broadcast_to``, ``reshape``, ``expand_dims``, ``static_assert``, ``interleave``, ``join``,
+``split``, the dtypes and ``x.shape`` (``mask.shape[1]`` is ``BLOCK_D``). Under
+``TRITON_INTERPRET=1`` (set by the tests on a CPU) the same code runs as NumPy, so a ``print``
+in it works there.
 """
 
 import triton
