@@ -77,9 +77,9 @@ def load_dequantized(
     if BITS == 8:
         codes = tl.load(codes_ptr + lanes + dims[None, :], mask=mask, other=0).to(tl.int32)
     else:  # each byte loaded once, [tokens, BLOCK_D / 2]: its nibbles split, then interleaved
-        tokens, width = mask.shape[0], mask.shape[1]
-        pairs = tl.max(tl.reshape(mask.to(tl.int32), (tokens, width // 2, 2)), 2) > 0
-        half = tl.arange(0, width // 2)
+        by_pair = tl.reshape(mask.to(tl.int32), (mask.shape[0], mask.shape[1] // 2, 2))
+        pairs = tl.max(by_pair, 2) > 0  # a byte is read if either of its channels is real
+        half = tl.arange(0, mask.shape[1] // 2)
         packed = tl.load(codes_ptr + lanes + half[None, :], mask=pairs, other=0).to(tl.int32)
         codes = tl.interleave(packed & 0xF, packed >> 4)
     if PER_CHANNEL:
