@@ -1359,11 +1359,11 @@ def _tile_kernel(
     scales_ptr,
     valid_ptr,
     out_ptr,
-    head_dim,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BITS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     """One tile through ``load_dequantized``, every lane written to ``out [BLOCK_N, BLOCK_D]``."""
     tokens = tl.arange(0, BLOCK_N)
@@ -1371,9 +1371,9 @@ def _tile_kernel(
     rows_at = tl.load(rows_ptr + tokens).to(tl.int64)
     scales_at = tl.load(scales_ptr + tokens).to(tl.int64)
     valid = tl.load(valid_ptr + tokens) != 0
-    mask = valid[:, None] & (dims < head_dim)[None, :]
+    mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
     tile = load_dequantized(
-        codes_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL
+        codes_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL, HEAD_DIM
     )
     tl.store(out_ptr + tokens[:, None] * BLOCK_D + dims[None, :], tile)
 
@@ -1395,11 +1395,11 @@ def load_tile(codes, scale, zero, rows_at, scales_at, valid, bits, per_channel, 
         flat(scales_at, torch.int64),
         flat(valid, torch.int32),
         out,
-        head_dim,
         BLOCK_N=n,
         BLOCK_D=TILE_D,
         BITS=bits,
         PER_CHANNEL=per_channel,
+        HEAD_DIM=head_dim,
     )
     return out.cpu()
 

@@ -1010,16 +1010,17 @@ def test_part8_triton_prefill_equals_dense_causal_attention_on_drawn_chunks(rng)
 
 @triton.jit
 def _tile_kernel(
-    codes_ptr, scale_ptr, zero_ptr, rows_ptr, scales_ptr, valid_ptr, out_ptr, head_dim,
+    codes_ptr, scale_ptr, zero_ptr, rows_ptr, scales_ptr, valid_ptr, out_ptr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     tokens = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     rows_at = tl.load(rows_ptr + tokens).to(tl.int64)
     scales_at = tl.load(scales_ptr + tokens).to(tl.int64)
-    mask = (tl.load(valid_ptr + tokens) != 0)[:, None] & (dims < head_dim)[None, :]
+    mask = (tl.load(valid_ptr + tokens) != 0)[:, None] & (dims < HEAD_DIM)[None, :]
     tile = load_dequantized(
-        codes_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL
+        codes_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL, HEAD_DIM
     )
     tl.store(out_ptr + tokens[:, None] * BLOCK_D + dims[None, :], tile)
 
@@ -1051,8 +1052,8 @@ def test_part8_drawn_tiles_are_read_lane_by_lane(rng):
             scale.to(DEVICE), zero.to(DEVICE),
             torch.tensor([p * width for p in picked], device=DEVICE),
             torch.tensor([p * per_row for p in picked], device=DEVICE),
-            torch.tensor(valid, dtype=torch.int32, device=DEVICE), out, dim,
-            BLOCK_N=tokens, BLOCK_D=block_d, BITS=bits, PER_CHANNEL=per_channel,
+            torch.tensor(valid, dtype=torch.int32, device=DEVICE), out,
+            BLOCK_N=tokens, BLOCK_D=block_d, BITS=bits, PER_CHANNEL=per_channel, HEAD_DIM=dim,
         )  # fmt: skip
         got = out.cpu().double()
         for t in range(tokens):

@@ -1,5 +1,5 @@
 """Every Triton launch of the GPU path compiles for an H200 (sm_90) here, without a GPU
-(``compile_for_gpu.py``): the interpreter that runs the kernels in the other tests accepts
+(``scripts/compile_for_gpu.py``): the interpreter that runs the kernels in the other tests accepts
 code that the compiler refuses, and a kernel that fails to compile costs a lent GPU's minutes.
 """
 
@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles and runs them for real")
 def test_every_launch_of_the_gpu_path_compiles_for_sm_90(tmp_path):
     environment = os.environ | {
-        "PYTHONPATH": str(HERE.parents[1]),
+        "PYTHONPATH": str(ROOT),
         "TRITON_CACHE_DIR": str(tmp_path),  # compiled here, not found in a warm cache
         "TRITON_DEFAULT_FP_FUSION": "1",
     }
     run = subprocess.run(
-        [sys.executable, str(HERE / "compile_for_gpu.py")],
+        [sys.executable, str(ROOT / "scripts/compile_for_gpu.py"), "--anatomy"],
         capture_output=True,
         text=True,
         env=environment,
@@ -30,3 +30,4 @@ def test_every_launch_of_the_gpu_path_compiles_for_sm_90(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "35 launches compiled for sm_90, 0 failed" in run.stdout, run.stdout[-2000:]
+    assert "_attention_kernel(DECODE=True, BITS=16" in run.stdout and "registers" in run.stdout

@@ -174,6 +174,7 @@ def _attention_kernel(
                 kv_mask & (held < 0)[:, None],
                 BITS,
                 False,
+                HEAD_DIM,
             )
             block = tl.load(table_ptr + tile // BLOCK_SIZE).to(tl.int64)
             channels_at = block * k_scale_block + kv_head * k_scale_head + dims
@@ -196,6 +197,7 @@ def _attention_kernel(
                 kv_mask,
                 BITS,
                 KEYS_PER_CHANNEL,
+                HEAD_DIM,
             )
             if KEYS_PER_CHANNEL:
                 k = tl.where(in_residual, residual, k)
@@ -211,7 +213,7 @@ def _attention_kernel(
         probs = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, 1)
         v = _load_rows(
-            v_ptr, v_scale_ptr, v_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS, False
+            v_ptr, v_scale_ptr, v_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS, False, HEAD_DIM
         )
         v = v.to(q.dtype)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
@@ -245,6 +247,7 @@ def _load_rows(
     mask,
     BITS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     """Cached rows ``[tokens, dims]``: as stored (``BITS`` 16), or dequantized in registers by
     ``triton_quantized.load_dequantized`` (8 or 4 bits; part 3.8)."""
@@ -252,7 +255,16 @@ def _load_rows(
         rows = tl.load(cache_ptr + rows_at[:, None] + dims[None, :], mask=mask, other=0.0)
     else:
         rows = load_dequantized(
-            cache_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL
+            cache_ptr,
+            scale_ptr,
+            zero_ptr,
+            rows_at,
+            scales_at,
+            dims,
+            mask,
+            BITS,
+            PER_CHANNEL,
+            HEAD_DIM,
         )
     return rows
 

@@ -27,6 +27,11 @@ the plane they index, bytes for the codes plane, and each plane's strides are al
   and a channel below ``head_dim`` (so a token is real when any of its lanes is). A masked
   token's block is whatever the kernel's masked table load gave (block 0): its slots may be
   another sequence's or hold anything.
+- ``HEAD_DIM`` (``tl.constexpr``): ``head_dim``, so ``mask`` is the real tokens and
+  ``dims < HEAD_DIM``. Build a mask of your own from it (INT4's bytes: ``half < HEAD_DIM //
+  2``) rather than from ``mask`` by a reduction: the compiler can prove the first constant
+  over 16 lanes and then loads 16 bytes at once; the second it cannot, and it loads the tile a
+  byte at a time (``scripts/compile_for_gpu.py --anatomy`` shows which you got).
 
 The contract:
 
@@ -69,17 +74,18 @@ def load_dequantized(
     mask,
     BITS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     """A tile's values ``[BLOCK_N, BLOCK_D]`` (float32): codes times scale plus zero on the
     lanes of ``mask``, 0.0 elsewhere (see the module docstring for the layouts)."""
     ### BEGIN SOLUTION part3.8
     lanes = rows_at[:, None]
+    row_mask = tl.max(mask.to(tl.int32), 1) > 0  # the real tokens
     if BITS == 8:
         codes = tl.load(codes_ptr + lanes + dims[None, :], mask=mask, other=0).to(tl.int32)
     else:  # each byte loaded once, [tokens, BLOCK_D / 2]: its nibbles split, then interleaved
-        by_pair = tl.reshape(mask.to(tl.int32), (mask.shape[0], mask.shape[1] // 2, 2))
-        pairs = tl.max(by_pair, 2) > 0  # a byte is read if either of its channels is real
         half = tl.arange(0, mask.shape[1] // 2)
+        pairs = row_mask[:, None] & (half < HEAD_DIM // 2)[None, :]  # provably 16 bytes at once
         packed = tl.load(codes_ptr + lanes + half[None, :], mask=pairs, other=0).to(tl.int32)
         codes = tl.interleave(packed & 0xF, packed >> 4)
     if PER_CHANNEL:
@@ -87,7 +93,6 @@ def load_dequantized(
         scale = tl.load(scale_ptr + at, mask=mask, other=0.0).to(tl.float32)
         zero = tl.load(zero_ptr + at, mask=mask, other=0.0).to(tl.float32)
         return codes.to(tl.float32) * scale + zero
-    row_mask = tl.max(mask.to(tl.int32), 1) > 0
     scale = tl.load(scale_ptr + scales_at, mask=row_mask, other=0.0).to(tl.float32)
     zero = tl.load(zero_ptr + scales_at, mask=row_mask, other=0.0).to(tl.float32)
     return tl.where(mask, codes.to(tl.float32) * scale[:, None] + zero[:, None], 0.0)

@@ -9,79 +9,93 @@ intercepted: instead of running, the launch is compiled ahead of time for ``TARG
 arguments it was given (their dtypes, the constexprs, the launch options), to PTX and cubin
 with the ``ptxas`` that Triton's wheel carries. Nothing runs and no GPU is needed.
 
-    python tests/runtime/compile_for_gpu.py        (prints one line per launch, then a summary)
+    python scripts/compile_for_gpu.py [--anatomy]
 
-Exit status 1 if any launch failed to compile. ``test_kernels_compile_for_a_gpu.py`` runs it.
+It prints a line per launch and a summary; exit status 1 if any launch failed to compile
+(``tests/runtime/test_kernels_compile_for_a_gpu.py`` runs it). With ``--anatomy``, each line
+also says what the GPU would run (from the cubin, by the ``cuobjdump`` of Triton's wheel):
+registers a thread, bytes spilled to local memory, instructions, and the global loads by width
+(``LDG``: into registers, ``LDGSTS``: an asynchronous copy into shared memory, as a pipelined
+tile loop does; ``.128``: 16 bytes a lane, the widest; ``.U8``: one byte). No timing: a GPU
+measures (``benchmarks/bench_decode_kernel.py``); this shows why a kernel is slow before one
+is at hand.
 """
 
-import inspect
+import argparse
+import collections
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.kernels import triton_attention, triton_layer_ops
 
 TARGET = GPUTarget("cuda", 90, 32)  # an H100 or H200: compute capability 9.0, 32-lane warps
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
-POINTER_TYPES = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.uint8: "u8",
-    torch.int8: "i8",
-    torch.int32: "i32",
-    torch.int64: "i64",
-}
+BACKEND = make_backend(TARGET)
 SHOWN = ("DECODE", "BITS", "KEYS_PER_CHANNEL", "FOLD_KEYS", "ADD", "NORM")
+SHOW_ANATOMY = False
 failures: list[str] = []
 compiled: list[str] = []
 
 
-def argument_type(name: str, value: object) -> str:
-    """Triton's signature type of a launch argument: a pointer for a tensor, else a scalar."""
-    if isinstance(value, torch.Tensor):
-        return "*" + POINTER_TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"argument {name}: cannot type {type(value).__name__}")
-
-
 def compile_launch(kernel: JITFunction, *args, grid, warmup, **kwargs) -> None:
-    """Stands in for ``JITFunction.run``: compile this launch for ``TARGET``."""
-    options = {key: kwargs.pop(key) for key in LAUNCH_OPTIONS if key in kwargs}
-    bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
-    signature, constexprs = {}, {}
-    for param in kernel.params:
-        value = bound[param.name]
-        if param.is_constexpr:
-            signature[param.name], constexprs[param.name] = "constexpr", value
-        else:
-            signature[param.name] = argument_type(param.name, value)
-    shown = ", ".join(f"{key}={constexprs[key]}" for key in SHOWN if key in constexprs)
+    """Stands in for ``JITFunction.run``: compile this launch for ``TARGET``, specialized as a
+    launch there would be (Triton's own binder: argument types, constexprs, and the alignment
+    of pointers and integers that lets loads be vectorized)."""
+    binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        BACKEND, kwargs, bound, specialization, options
+    )
+    named = {path[0]: value for path, value in constexprs.items() if len(path) == 1}
+    values = {kernel.params[index].name: value for index, value in named.items()}
+    shown = ", ".join(f"{key}={values[key]}" for key in SHOWN if key in values)
     label = f"{kernel.fn.__name__}({shown})"
     started = time.perf_counter()
     try:
-        triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options=options)
+        source = ASTSource(kernel, signature, constexprs, attrs)
+        compiled_kernel = triton.compile(source, target=TARGET, options=options.__dict__)
     except Exception:
         failures.append(label)
         print(f"FAILED {label}\n{traceback.format_exc(limit=2)}", flush=True)
         return
     compiled.append(label)
-    print(f"compiled {label} in {time.perf_counter() - started:.1f} s", flush=True)
+    details = f": {anatomy(compiled_kernel.asm['cubin'])}" if SHOW_ANATOMY else ""
+    print(f"compiled {label} in {time.perf_counter() - started:.1f} s{details}", flush=True)
+
+
+def anatomy(cubin: bytes) -> str:
+    """Registers, spilled bytes, instructions and global loads by width of one kernel."""
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run(
+            [tool, "-res-usage", file.name], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [tool, "-sass", file.name], capture_output=True, text=True, check=True
+        ).stdout
+    registers, stack = re.search(r"REG:(\d+)", usage)[1], re.search(r"STACK:(\d+)", usage)[1]
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
+    loads = collections.Counter(re.findall(r"\b(LDG|LDGSTS)\.E(?:\.BYPASS)?(?:\.(\w+))?", sass))
+    widths = ", ".join(
+        f"{count} {kind}.{width or '32'}" for (kind, width), count in sorted(loads.items())
+    )
+    return f"{registers} registers, {stack} B spilled, {instructions} instructions; {widths}"
 
 
 def caches(kv_cache_dtype: str, keys: str, block_size: int) -> CacheEngine:
@@ -125,6 +139,10 @@ def layer_ops() -> None:
 
 
 def main() -> int:
+    global SHOW_ANATOMY
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--anatomy", action="store_true", help="registers, spills, loads")
+    SHOW_ANATOMY = parser.parse_args().anatomy
     JITFunction.run = compile_launch
     attention(caches("auto", "per_token", 16))
     for bits in (8, 4):
