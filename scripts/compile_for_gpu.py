@@ -144,13 +144,24 @@ def main() -> int:
     parser.add_argument("--anatomy", action="store_true", help="registers, spills, loads")
     SHOW_ANATOMY = parser.parse_args().anatomy
     JITFunction.run = compile_launch
-    attention(caches("auto", "per_token", 16))
+    formats = [("auto", "per_token", 16)]
     for bits in (8, 4):
-        attention(caches(f"int{bits}", "per_token", 16))
-        attention(caches(f"int{bits}", "per_channel", 16))  # a tile inside a block: folded
-        attention(caches(f"int{bits}", "per_channel", 8))  # tiles across blocks: per lane
+        formats.append((f"int{bits}", "per_token", 16))
+        formats.append((f"int{bits}", "per_channel", 16))  # a tile inside a block: folded
+        formats.append((f"int{bits}", "per_channel", 8))  # tiles across blocks: per lane
+    skipped = 0
+    for kv_cache_dtype, keys, block_size in formats:
+        try:
+            attention(caches(kv_cache_dtype, keys, block_size))
+        except NotImplementedError as stub:  # a student's tree: a part not written yet
+            skipped += 1
+            print(f"skipped {kv_cache_dtype} {keys}, block {block_size}: {stub}", flush=True)
     layer_ops()
-    print(f"{len(compiled)} launches compiled for sm_90, {len(failures)} failed", flush=True)
+    print(
+        f"{len(compiled)} launches compiled for sm_90, {len(failures)} failed"
+        + (f", {skipped} cache formats skipped (a part's stub)" if skipped else ""),
+        flush=True,
+    )
     return 1 if failures else 0
 
 

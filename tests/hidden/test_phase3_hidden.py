@@ -13,6 +13,8 @@ imported (the third-party imports come first): a solution region that replaced
 """
 
 import math
+import subprocess
+import sys
 
 import kernel_device  # noqa: F401 (first: Triton must not be imported before it)
 import pytest
@@ -1006,6 +1008,55 @@ def test_part8_triton_decode_equals_dense_attention_on_drawn_tables(rng):
 @seeded
 def test_part8_triton_prefill_equals_dense_causal_attention_on_drawn_chunks(rng):
     assert_prefill_equals_dense(rng, triton_prefill, 2, "Triton prefill with load_dequantized")
+
+
+EDGE_TILE = """
+import ctypes, mmap, sys
+sys.path[:0] = {path!r}
+import torch
+from kernel_device import launched
+from test_phase3_hidden import _tile_kernel
+page = mmap.PAGESIZE
+memory = mmap.mmap(-1, 2 * page)
+libc = ctypes.CDLL(None, use_errno=True)
+start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+assert libc.mprotect(ctypes.c_void_p(start + page), page, 0) == 0  # the next page faults
+for bits, per_channel in {kinds!r}:
+    width = 6 * bits // 8  # head_dim 6: a row of 6 or 3 bytes, the plane's last
+    codes = torch.frombuffer(memory, dtype=torch.uint8, count=width, offset=page - width)
+    codes.fill_(0x11)
+    print(bits, per_channel, flush=True)  # the kind being read, should the read fault
+    out = torch.full((1, 16), -7.0)
+    launched(
+        _tile_kernel[(1,)], codes, torch.full((6,), 0.5), torch.full((6,), 1.0),
+        torch.tensor([0]), torch.tensor([0]), torch.tensor([1], dtype=torch.int32), out,
+        BLOCK_N=1, BLOCK_D=16, BITS=bits, PER_CHANNEL=per_channel, HEAD_DIM=6,
+    )
+    print(out[0].tolist(), flush=True)
+"""
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a guard page faults on the CPU's reads only")
+def test_part8_a_real_tokens_padding_channels_are_not_read_either():
+    """A real token whose codes end a plane, the next page unmapped: a load that reads the
+    padding channels' bytes too (head_dim 6 of a 16-wide tile) faults there, so the tile is
+    made in a child process. Padding lanes are masked lanes: nothing is read for them."""
+    kinds = [(8, False), (4, False), (8, True), (4, True)]
+    source = EDGE_TILE.format(path=sys.path, kinds=kinds)
+    child = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True)
+    lines = child.stdout.split("\n")[:-1]
+    reading = lines[-1] if len(lines) % 2 else "(outside the tiles)"
+    assert child.returncode == 0, (
+        f"reading a real token whose row ends the codes plane (head_dim 6, BLOCK_D 16; the "
+        f"page after it unmapped), the process exited with {child.returncode} at (bits, per "
+        f"channel) = {reading}: the bytes of channels >= head_dim were read (INT4: a row is "
+        f"head_dim / 2 bytes). {child.stderr.strip()[-300:]}"
+    )
+    for (bits, per_channel), row in zip(kinds, lines[1::2], strict=True):
+        code = 17 if bits == 8 else 1
+        assert row == str([code * 0.5 + 1.0] * 6 + [0.0] * 10), (
+            f"INT{bits}{' per channel' if per_channel else ''}: got {row}"
+        )
 
 
 @triton.jit

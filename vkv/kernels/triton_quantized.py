@@ -27,11 +27,15 @@ the plane they index, bytes for the codes plane, and each plane's strides are al
   and a channel below ``head_dim`` (so a token is real when any of its lanes is). A masked
   token's block is whatever the kernel's masked table load gave (block 0): its slots may be
   another sequence's or hold anything.
-- ``HEAD_DIM`` (``tl.constexpr``): ``head_dim``, so ``mask`` is the real tokens and
-  ``dims < HEAD_DIM``. Build a mask of your own from it (INT4's bytes: ``half < HEAD_DIM //
-  2``) rather than from ``mask`` by a reduction: the compiler can prove the first constant
-  over 16 lanes and then loads 16 bytes at once; the second it cannot, and it loads the tile a
-  byte at a time (``scripts/compile_for_gpu.py --anatomy`` shows which you got).
+- ``HEAD_DIM`` (``tl.constexpr``): ``head_dim``. ``mask`` is the tokens to read (a row of it
+  is all true or all false on the real channels; the kernel may leave out more tokens than
+  those past the context, e.g. keys it reads from the residual instead) and the channels
+  ``dims < HEAD_DIM``. For a mask of your own (INT4's bytes), take the tokens from ``mask``
+  (any lane of a row: a reduction over a row is constant along it) and the channels from
+  ``HEAD_DIM`` (``half < HEAD_DIM // 2``): the compiler can prove such a mask constant over 16
+  lanes and then loads 16 bytes at once; a channel mask reduced from ``mask`` it cannot, and
+  the tile is loaded a byte at a time (``scripts/compile_for_gpu.py --anatomy`` shows which
+  you got).
 
 The contract:
 
