@@ -7,14 +7,15 @@
   step fills are quantized by ``quantized.store_keys_per_channel`` (torch: a few blocks a step,
   shared with the reference).
 
-A slot of -1 (padding) is skipped. A quantized store writes nothing if any key or value of the step
-is NaN or infinite (Phase 3's "all or nothing"): eagerly it raises before writing (one wait for
-the GPU); a CUDA graph cannot wait, so a cache that carries a step flag (``refused``) has the
-kernels read the flag instead, and whoever set it raises after the step (``decode_graphs.py``).
+A slot of -1 (padding) is skipped. A quantized store writes nothing if any key or value of the
+step is NaN or infinite (Phase 3's "all or nothing"): eagerly it raises before writing (one wait
+for the GPU); a CUDA graph cannot wait, so a cache that carries a step flag (``refused``) has
+the kernels read the flag instead, and whoever set it raises after the step
+(``decode_graphs.py``).
 
-Every kernel here and in ``triton_attention.py`` reads its
-tensors through raw pointers, so the wrappers first check that all of them are on one device
-(``check_devices``): a tensor elsewhere is a ``ValueError`` naming it, not a crash or garbage.
+Every kernel here and in ``triton_attention.py`` reads its tensors through raw pointers, so the
+wrappers first check that all of them are on one device (``check_devices``): a tensor elsewhere
+is a ``ValueError`` naming it, not a crash or garbage.
 """
 
 import torch
