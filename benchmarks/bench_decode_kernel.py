@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from vkv.engine.cache_engine import QuantizedCache
 from vkv.engine.quantizer import Quantizer
@@ -85,14 +86,19 @@ def copy_bandwidth() -> float:
 
 def sweep(formats: dict, decode, kv_bytes: dict) -> list[dict]:
     """Each format's median time at every combination of ``SWEEP`` (block_n fixed for keys
-    per channel), fastest first within a format, each with its speed against the defaults."""
+    per channel), fastest first within a format, each with its speed against the defaults. A
+    combination whose tiles do not fit the GPU's shared memory is left out, and said so."""
     rows = []
     for name, (k, v) in formats.items():
         grid = dict(SWEEP, block_n=(64,)) if "per channel" in name else SWEEP
         timed = []
         for options in itertools.product(*grid.values()):
             launch = dict(zip(grid, options, strict=True))
-            ms = median_ms(lambda k=k, v=v, o=launch: decode(k, v, **o), repeat=10)
+            try:
+                ms = median_ms(lambda k=k, v=v, o=launch: decode(k, v, **o), repeat=10)
+            except OutOfResources as error:
+                print(f"{name:>28}: {launch} left out: {error}")
+                continue
             timed.append(launch | {"format": name, "ms": ms})
         default = next(row for row in timed if row.items() >= DEFAULTS.items())["ms"]
         for row in sorted(timed, key=lambda row: row["ms"]):
