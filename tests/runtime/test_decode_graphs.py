@@ -109,28 +109,31 @@ def quantized_runners(bits: int) -> tuple[ModelRunner, ModelRunner]:
     return runners[0], runners[1]
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_quantized_cache_refuses_a_non_finite_step_on_the_device(bits):
+def test_a_quantized_cache_refuses_a_non_finite_step_on_the_device(bits, padded):
     """A cache quantized per token decodes on the padded buffers as it does eagerly; a step
-    whose keys hold NaN raises the eager store's error after the step, writes nothing in any
-    layer, and leaves the next step free to write (the step flag is cleared before each)."""
-    eager, padded = quantized_runners(bits)
+    whose keys hold NaN writes nothing in any layer and raises the eager store's error once the
+    step is over (``raise_if_refused``, after the sampled tokens), and the next step is free to
+    write (the step flag is cleared before each)."""
+    eager, on_buffers = quantized_runners(bits)
+    runner = on_buffers if padded else eager
     batch = decode_batch(eager, [5, 3], block_size=4)
     with torch.inference_mode():
-        torch.testing.assert_close(padded.forward(batch), eager.forward(batch))
-        assert padded.decode_graphs.steps == 1
-        planes = padded.cache_engine.gpu_planes
+        torch.testing.assert_close(on_buffers.forward(batch), eager.forward(batch))
+        assert on_buffers.decode_graphs.steps == 1
+        planes = runner.cache_engine.gpu_planes
         before = [plane.clone() for plane in planes]
         poisoned = dataclasses.replace(batch, tokens=[batch.tokens[0], 11])
-        padded.model.model.embed_tokens.weight[11, 3] = float("nan")
+        runner.model.model.embed_tokens.weight[11, 3] = float("nan")
+        runner.forward(poisoned)  # no raise inside the step: the GPU is not waited for
         with pytest.raises(ValueError, match="NaN or infinite"):
-            padded.forward(poisoned)
+            runner.cache_engine.raise_if_refused()
         assert all(torch.equal(a, b) for a, b in zip(planes, before, strict=True)), (
             "a refused step writes nothing, in no layer"
         )
-        assert padded.decode_graphs.refused.item() == 1
-        padded.forward(dataclasses.replace(batch, tokens=[batch.tokens[0], 12]))
-        assert padded.decode_graphs.refused.item() == 0
+        runner.forward(dataclasses.replace(batch, tokens=[batch.tokens[0], 12]))
+        runner.cache_engine.raise_if_refused()
         assert not all(torch.equal(a, b) for a, b in zip(planes, before, strict=True))
 
 

@@ -4,6 +4,7 @@ recompute or by swap, and with chunked prefill. Each attention backend runs wher
 (``devices.py``), in float32, as transformers."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from tiny_checkpoints import greedy_by_recompute, paired
 
 from vkv.config import Config
 from vkv.engine.cache_engine import CacheEngine, CacheShape
+from vkv.engine.llm_engine import LLMEngine
 from vkv.engine.model_runner import ModelRunner, greedy_tokens, sample
 from vkv.engine.scheduler import Scheduler
 from vkv.engine.sequence import Sequence
@@ -174,3 +176,41 @@ def test_greedy_tokens_are_each_rows_first_highest_score(dtype):
     assert tokens == logits.float().argmax(-1).tolist()
     assert tokens[3] == 7 and tokens[5] == 0
     assert all(type(token) is int for token in tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the host's waits for a GPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_a_step_waits_for_the_gpu_once_for_its_sampled_tokens(kv_cache_dtype, enforce_eager):
+    """The host waits for the GPU once a step, for the sampled tokens: torch's sync debug mode
+    warns at each wait (a device or stream synchronize, a copy to pageable host memory:
+    ``.item()``, ``.tolist()``, ``bool()`` of a GPU tensor). Decode steps replayed from graphs or
+    eager, with prefills joining them (the prefill kernel's grid from the host's lengths),
+    16-bit or INT8 (whose NaN refusal is read after the tokens)."""
+    engine = LLMEngine(
+        max_num_seqs=8,
+        max_model_len=256,
+        kv_cache_dtype=kv_cache_dtype,
+        enforce_eager=enforce_eager,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("def warm_up():\n", params)
+    while engine.has_unfinished_requests():  # Triton compiles each kernel at its first launch
+        engine.step()
+    steps = 0
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for prompt in ("def add(a, b):\n", "import os\n", "class Stack:\n"):
+                engine.add_request(prompt, params)
+                for _ in range(3):
+                    engine.step()
+                    steps += 1
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    waits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(waits) == steps, f"{len(waits)} waits in {steps} steps: {waits[:3]}"

@@ -166,34 +166,43 @@ def test_the_triton_kernels_store_and_read_what_the_reference_does(bits, group):
 
 
 def test_the_triton_store_refuses_nan_before_writing():
+    """A cache without a step flag: the store raises before writing anything."""
     engine = quantized_engine(4, KERNEL_DEVICE)
     keys = torch.randn(2, HEADS, DIM, device=KERNEL_DEVICE)
     keys[0, 1, 2] = float("inf")
     slots = torch.tensor([0, 1], device=KERNEL_DEVICE)
+    unflagged = [dataclasses.replace(c, refused=None) for c in engine.layer(0)]
     with pytest.raises(ValueError, match="NaN or infinite"):
-        triton_attention.store_kvcache(keys, keys.clone(), *engine.layer(0), slots)
+        triton_attention.store_kvcache(keys, keys.clone(), *unflagged, slots)
     assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes), "nothing written"
 
 
-def test_with_a_step_flag_the_triton_store_refuses_on_the_device_for_the_rest_of_the_step():
-    """A CUDA graph cannot wait for a host check: a cache carrying a step flag (``refused``)
-    sets it instead of raising, and no store writes while it is set (later layers included)."""
+def test_the_engines_step_flag_refuses_on_the_device_for_the_rest_of_the_step():
+    """The engine's caches quantized per token share a step flag (``refused``): the store sets
+    it instead of raising (no wait for the device), no store writes while it is set (later
+    layers included), the engine raises once the step is over, and clears it for the next."""
     engine = quantized_engine(8, KERNEL_DEVICE)
-    flag = torch.zeros((), dtype=torch.int32, device=KERNEL_DEVICE)
-    layers = [[dataclasses.replace(c, refused=flag) for c in engine.layer(i)] for i in (0, 1)]
+    assert engine.layer(0)[0].refused is engine.layer(1)[1].refused is engine.refused
     keys = torch.randn(2, HEADS, DIM, device=KERNEL_DEVICE)
     slots = torch.tensor([0, 1], device=KERNEL_DEVICE)
     poisoned = keys.clone()
     poisoned[1, 0, 2] = float("nan")
-    triton_attention.store_kvcache(poisoned, keys, *layers[0], slots)
-    assert flag.item() == 1, "the refusal is on the device, read after the step"
-    triton_attention.store_kvcache(keys, keys, *layers[1], slots)
+    engine.plan_step([0, 1])
+    triton_attention.store_kvcache(poisoned, keys, *engine.layer(0), slots)  # no raise here
+    triton_attention.store_kvcache(keys, keys, *engine.layer(1), slots)
     assert all(plane.abs().sum() == 0 for plane in engine.gpu_planes), "nothing written"
-    flag.zero_()
-    triton_attention.store_kvcache(keys, keys, *layers[1], slots)
-    assert flag.item() == 0 and engine.gpu_planes[0].abs().sum() > 0
+    engine.fetch_refusal()
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        engine.raise_if_refused()
+    engine.plan_step([0, 1])
+    triton_attention.store_kvcache(keys, keys, *engine.layer(1), slots)
+    engine.fetch_refusal()
+    engine.raise_if_refused()
+    assert engine.gpu_planes[0].abs().sum() > 0, "the next step writes"
+    per_channel = channel_engine(8, KERNEL_DEVICE)
+    assert per_channel.refused is None and per_channel.layer(0)[0].refused is None
     with pytest.raises(ValueError, match="per token only"):
-        dataclasses.replace(channel_engine(8, KERNEL_DEVICE).layer(0)[0], refused=flag)
+        dataclasses.replace(per_channel.layer(0)[0], refused=engine.refused)
 
 
 @pytest.mark.parametrize(
@@ -615,3 +624,25 @@ def test_keys_per_channel_are_an_option_of_the_cli_and_of_the_budget(capsys):
     assert "int4, one scale per token, float32 scales: a block" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"the key residual .* fills the KV budget"):
         LLMEngine(kv_cache_dtype="int8", key_granularity="per_channel", kv_cache_bytes=4096)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS[:1] + BACKENDS[-1:])
+def test_a_request_whose_keys_cannot_be_quantized_fails_alone(backend, device):
+    """A prompt token whose embedding is NaN: the batch's step is refused (torch: the store
+    raises in it; Triton: the step flag, read once the step's tokens are on the host), each
+    sequence runs again alone, and that request fails with the store's error while the others
+    gain the tokens they gain without it."""
+    llm = LLM(kv_cache_dtype="int8", backend=backend, device=device, dtype=EXACT_DTYPE)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [[100, 101, 102], [120, 7, 121], [130, 131]]
+    healthy = [prompts[0], prompts[2]]
+    alone = [o["token_ids"] for o in llm.generate(healthy, params, use_progress=False)]
+    embed = llm.engine.runner.model.model.embed_tokens
+    poisoned = embed.weight.detach().clone()  # the input's table only (vkv-tiny ties lm_head)
+    poisoned[7, 0] = float("nan")
+    embed.weight = torch.nn.Parameter(poisoned, requires_grad=False)
+    outputs = llm.generate(prompts, params, use_progress=False)
+    assert [outputs[0]["token_ids"], outputs[2]["token_ids"]] == alone
+    failed = outputs[1]
+    assert failed["finish_reason"] == "error" and failed["token_ids"] == [], failed
+    assert failed["error"].startswith("ValueError: cannot quantize NaN or infinite values")

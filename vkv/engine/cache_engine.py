@@ -44,6 +44,7 @@ from vkv.config import (
 )
 from vkv.engine.key_residual import KeyPlan, KeyResidual
 from vkv.engine.quantizer import bytes_per_token
+from vkv.engine.upload import upload
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,9 +60,11 @@ class QuantizedCache:
 
     ``refused``, a step flag (int32, one element, on the cache's device) shared by every layer's
     caches: given, the Triton store refuses NaN and infinities by setting it and writing nothing
-    while it is set, instead of raising there (which waits for the device: a CUDA graph cannot);
-    its owner clears it before the step and raises after (``decode_graphs.py``). Per token only:
-    keys per channel plan their writes on the host each step, so they never run in a graph.
+    while it is set, instead of raising there (which waits for the device: a CUDA graph cannot,
+    and an eager step would wait once a layer). Its owner, the ``CacheEngine``, clears it before
+    each step (``plan_step``) and raises after the step's sampled tokens are on the host
+    (``raise_if_refused``). Per token only: keys per channel plan their writes on the host each
+    step and check there.
     """
 
     codes: torch.Tensor
@@ -273,6 +276,12 @@ class CacheEngine:
             torch.zeros(size, dtype=dtype, pin_memory=pinned)
             for size, dtype in shape.planes(num_cpu_blocks)
         ]
+        # the step flag of caches quantized per token (QuantizedCache.refused), and its copy
+        # on the host, read after the step (pinned on CUDA: the copy is queued, not waited for)
+        self.refused: torch.Tensor | None = None
+        if shape.quantized and not shape.per_channel_keys:
+            self.refused = torch.zeros((), dtype=torch.int32, device=device)
+            self._refused_on_host = torch.zeros((), dtype=torch.int32, pin_memory=pinned)
         self._plain_layers = None  # a plain cache's per-layer views never change: made once
         if not shape.quantized:
             self._plain_layers = tuple(
@@ -311,10 +320,11 @@ class CacheEngine:
             return self._plain_layers[index]
         codes, k_scale, k_zero, v_scale, v_zero = (plane[:, index] for plane in self.gpu_planes)
         bits = self.shape.bits
-        values = QuantizedCache(codes[1], v_scale[0], v_zero[0], bits)
         residual = self.residual
         if residual is None:
-            return QuantizedCache(codes[0], k_scale[0], k_zero[0], bits), values
+            keys = QuantizedCache(codes[0], k_scale[0], k_zero[0], bits, refused=self.refused)
+            return keys, QuantizedCache(codes[1], v_scale[0], v_zero[0], bits, refused=self.refused)
+        values = QuantizedCache(codes[1], v_scale[0], v_zero[0], bits)
         keys = QuantizedCache(
             codes[0],
             k_scale[0],
@@ -333,10 +343,25 @@ class CacheEngine:
         return [self.layer(index) for index in range(self.shape.num_layers)]
 
     def plan_step(self, slots: list[int]) -> None:
-        """Before the model runs over tokens stored at ``slots``: plan the key residual's
-        writes (keys per channel; nothing to do otherwise)."""
+        """Before the model runs over tokens stored at ``slots``: clear the step flag (caches
+        quantized per token) or plan the key residual's writes (keys per channel)."""
+        if self.refused is not None:
+            self.refused.zero_()
         if self.residual is not None:
             self.residual.plan(slots)
+
+    def fetch_refusal(self) -> None:
+        """After the step's forward is queued: queue the step flag's copy to the host (on a
+        GPU it lands when the step ends; nothing waits for it here)."""
+        if self.refused is not None:
+            self._refused_on_host.copy_(self.refused, non_blocking=True)
+
+    def raise_if_refused(self) -> None:
+        """Once the host has waited for the step (its sampled tokens read): ``ValueError`` if a
+        store refused it (a NaN or an infinity in its keys or values: nothing written from that
+        layer on), as the eager store raises."""
+        if self.refused is not None and bool(self._refused_on_host):
+            raise ValueError("cannot quantize NaN or infinite values")
 
     def swap_out(self, mapping: dict[int, int]) -> None:
         """Copy GPU blocks to CPU blocks: ``{gpu_block: cpu_block}``."""
@@ -390,8 +415,8 @@ def _copy_blocks(source: torch.Tensor, target: torch.Tensor, pairs: list[tuple[i
     block half copied)."""
     if not pairs:
         return
-    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=source.device)
-    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=target.device)
+    src = upload(torch.tensor([s for s, _ in pairs]), source.device)
+    dst = upload(torch.tensor([d for _, d in pairs]), target.device)
     to_gpu = target.device.type == "cuda"
     target[:, :, dst] = source[:, :, src].to(target.device, non_blocking=to_gpu)
 

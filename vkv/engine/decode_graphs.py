@@ -23,23 +23,22 @@ reads the slots back to skip padding, a device sync that capture refuses) and a 
 16-bit or quantized per token; keys per channel plan their writes on the host each step and
 decode eagerly.
 
-A quantized store refuses a step with a NaN or an infinity in its keys or values: eagerly it
-checks on the host before writing (a wait for the GPU, which capture refuses). Here the caches
-carry a step flag instead (``QuantizedCache.refused``): the forward clears it first, a store
-that meets a non-finite value sets it, every store writes nothing while it is set, and ``run``
-raises the same ``ValueError`` after the step, as the eager store would have raised in it.
+A quantized store refuses a step with a NaN or an infinity in its keys or values without
+waiting for the GPU (which capture refuses): the engine's caches quantized per token carry a
+step flag (``QuantizedCache.refused``) that a store sets and every store reads, writing nothing
+while it is set; the ``CacheEngine`` clears it before each step and the runner raises after the
+step, eager or replayed alike.
 """
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from vkv.config import Config
-from vkv.engine.cache_engine import CacheShape, QuantizedCache
+from vkv.engine.cache_engine import CacheShape
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 
 PADDING_SLOT = -1
@@ -83,7 +82,7 @@ class DecodeGraphs:
         self.sizes, self.capture = sorted(sizes), capture
         device = model.lm_head.weight.device
         largest = self.sizes[-1]
-        self.refused, self.caches = _flagged(caches, device)
+        self.caches = caches
 
         def buffer(*shape: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
             return torch.full(shape, fill, dtype=dtype, device=device)
@@ -135,8 +134,6 @@ class DecodeGraphs:
             logits = self.logits[size]
         else:
             logits = self._forward(size)
-        if self.refused is not None and bool(self.refused):  # waits, as the runner does next
-            raise ValueError("cannot quantize NaN or infinite values")
         return logits[:num_seqs]
 
     def _stage(self, size, tokens, positions, slots, context_lens, block_tables) -> None:
@@ -169,10 +166,7 @@ class DecodeGraphs:
         }
 
     def _forward(self, size: int) -> torch.Tensor:
-        """The model's forward over the first ``size`` rows of the buffers (the step flag
-        cleared first)."""
-        if self.refused is not None:
-            self.refused.zero_()
+        """The model's forward over the first ``size`` rows of the buffers."""
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.slot_mapping[:size],
@@ -214,12 +208,3 @@ class DecodeGraphs:
             f"decode replayed from CUDA graphs: {sizes} captured in "
             f"{self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB"
         )
-
-
-def _flagged(caches: Sequence[tuple], device: torch.device) -> tuple[torch.Tensor | None, list]:
-    """A step flag and ``caches`` carrying it, for caches quantized per token (None and the
-    caches as they are otherwise: nothing there refuses on the device)."""
-    if not isinstance(caches[0][0], QuantizedCache) or caches[0][0].per_channel:
-        return None, list(caches)
-    refused = torch.zeros((), dtype=torch.int32, device=device)
-    return refused, [tuple(replace(c, refused=refused) for c in layer) for layer in caches]

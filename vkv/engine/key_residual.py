@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from vkv.engine.sequence import Sequence
+from vkv.engine.upload import upload
 
 
 @dataclass(slots=True, frozen=True)
@@ -197,7 +198,8 @@ class KeyResidual:
         ### END SOLUTION
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        """``values`` on the residual's device, the host not waiting for the copy (``upload``)."""
+        return upload(torch.tensor(values, dtype=dtype), self.device)
 
     def _take(self, block: int) -> int:
         if not self._free:

@@ -12,6 +12,11 @@ A decode step that fits runs on ``decode_graphs`` where the engine set them up
 (``decode_graphs.py``: static buffers, padded to a captured batch size, replayed from a CUDA
 graph on a GPU); everything else runs eagerly.
 
+On a GPU the host waits for the device once a step, when it reads the sampled tokens: the
+inputs go up from pinned memory (``upload``), the kernels' grids come from lengths the host
+knows, the forward's time is two CUDA events read afterwards (``ForwardClock``), and a quantized
+cache's refusal of a NaN is a flag on the device read afterwards too (``CacheEngine``).
+
 With tensor parallelism (``parallel.py``) this runner is rank 0's: it sends each step's block
 maps and flat batch (``StepBatch``) to the other ranks, which run the same ``forward`` on their
 heads, and it samples from the vocabulary the ranks' logits make together.
@@ -22,6 +27,7 @@ log-probability and the most likely alternatives from the log-softmax of the raw
 penalties, bias, temperature, top-k and top-p: vLLM's default, ``logprobs_mode="raw_logprobs"``).
 """
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -37,6 +43,7 @@ from vkv.engine.decode_graphs import DecodeGraphs
 from vkv.engine.key_residual import partial_blocks
 from vkv.engine.scheduler import ScheduledSequence, SchedulerOutput
 from vkv.engine.sequence import Sequence
+from vkv.engine.upload import upload
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 from vkv.sampling_params import MAX_SEED, SamplingParams
 from vkv.threads import free_cpus
@@ -80,6 +87,36 @@ class RankZero(Protocol):
     def run_step(self, forward: Callable[[], torch.Tensor], batch: tuple) -> torch.Tensor: ...
 
 
+class ForwardClock:
+    """How long a forward took, from its first launch to its last result, read without making
+    the host wait for a GPU: there, two CUDA events around the forward, read once the step's
+    sampled tokens are on the host (so both events have passed); elsewhere, the host's clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+        self.started = self.elapsed = 0.0
+
+    def start(self) -> None:
+        if self.events is None:
+            self.started = time.perf_counter()
+        else:
+            self.events[0].record()
+
+    def stop(self) -> None:
+        if self.events is None:
+            self.elapsed = time.perf_counter() - self.started
+        else:
+            self.events[1].record()
+
+    def seconds(self) -> float:
+        """The last forward's time; on a GPU only once the host has waited for the forward."""
+        if self.events is None:
+            return self.elapsed
+        return self.events[0].elapsed_time(self.events[1]) / 1000
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -99,6 +136,7 @@ class ModelRunner:
         self.logprobs: dict[int, TokenLogprobs] = {}  # execute's tokens' logprobs, if asked
         self.more_logprobs: dict[int, list[TokenLogprobs]] = {}  # the other samples' ones
         self.model_seconds = 0.0
+        self.clock = ForwardClock(self.device)
         self.thread_limit = torch.get_num_threads()  # the engine's (see vkv.threads)
         self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
 
@@ -150,11 +188,7 @@ class ModelRunner:
         def tensor(values: list[int], dtype: type[np.integer] = np.int32) -> torch.Tensor:
             # through numpy: np.fromiter turns a list of ints into an array 3-4x faster than
             # torch.tensor does (the block tables above all: a step's costliest input)
-            array = torch.from_numpy(np.fromiter(values, dtype, len(values)))
-            if self.device.type != "cuda":
-                return array
-            # from pinned memory the copy is queued, not waited for (a pageable one waits)
-            return array.pin_memory().to(self.device, non_blocking=True)
+            return upload(torch.from_numpy(np.fromiter(values, dtype, len(values))), self.device)
 
         num_seqs = len(batch.context_lens)
         meta = AttentionMetadata(
@@ -164,25 +198,28 @@ class ModelRunner:
             context_lens=tensor(batch.context_lens),
             cu_seqlens_q=tensor(batch.cu_seqlens),
             max_context_len=max(batch.context_lens),
+            max_query_len=max(b - a for a, b in itertools.pairwise(batch.cu_seqlens)),
         )
         return tensor(batch.tokens, np.int64), tensor(batch.positions, np.int64), meta
 
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The logits of each sequence's last token in ``batch`` (the whole vocabulary); with
         tensor parallelism, on rank 0 only (the others send their slice of the vocabulary and
-        get None). ``model_seconds`` adds the model's part (the inputs made, to the logits)."""
+        get None). Queued on a GPU, not waited for: ``execute`` reads the sampled tokens, the
+        only wait of a step, and then the forward's time (``clock``) and the cache's refusal
+        (``CacheEngine.raise_if_refused``)."""
         if self.device.type == "cpu" and self.parallel is None:
             self._fit_threads()
         graphs, num_seqs = self.decode_graphs, len(batch.context_lens)
         if graphs is not None and graphs.serves(num_seqs, batch.is_prefill):
             self.cache_engine.plan_step(batch.slots)
-            started = time.perf_counter()
+            self.clock.start()
             logits = graphs.run(
                 batch.tokens, batch.positions, batch.slots, batch.context_lens, batch.block_tables
             )
         else:
             input_ids, positions, meta = self.tensors(batch)
-            started = time.perf_counter()
+            self.clock.start()
             logits = self.model(
                 input_ids, positions, self.cache_engine.layers(), meta, self.backend
             )
@@ -190,9 +227,8 @@ class ModelRunner:
                 logits = logits[meta.cu_seqlens_q[1:].long() - 1]
         if self.parallel is not None:
             logits = self.parallel.gather_vocabulary(logits)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.model_seconds += time.perf_counter() - started
+        self.clock.stop()
+        self.cache_engine.fetch_refusal()
         return logits
 
     def _fit_threads(self) -> None:
@@ -263,6 +299,9 @@ class ModelRunner:
                 sample(adjust_logits(row, p, item.seq.completion_token_ids), p, item.seq.num_tokens)
                 for row, p, item in zip(logits, params, scheduled, strict=True)
             ]
+        # the tokens are on the host: the step is over on the device too, nothing waits here
+        self.model_seconds += self.clock.seconds()
+        self.cache_engine.raise_if_refused()
         for row, p, item, token in zip(logits, params, scheduled, tokens, strict=True):
             if p.logprobs is not None:
                 self.logprobs[item.seq.seq_id] = token_logprobs(row, token, p.logprobs)

@@ -39,7 +39,9 @@ ready, watching it), before the next message (its process has ended) or inside a
 (gloo reports the closed connection): rank 0 raises ``WorkerError``, ends the other workers and
 leaves no process behind. A worker whose step raises prints the error and exits, which rank 0
 then notices; a step that raises on rank 0 cannot be retried alone, as one process retries it
-(the workers are inside the same forward): it ends the run with ``WorkerError`` too. A worker
+(the workers are inside the same forward): it ends the run with ``WorkerError`` too. A
+quantized cache's refusal of a NaN on rank 0 is read after the step, all collectives done, so
+rank 0 retries each sequence alone, as one process does. A worker
 whose rank 0 dies exits at the closed connection. One engine with tensor parallelism per
 process at a time (torch.distributed has one default group).
 """
@@ -379,6 +381,9 @@ def run_worker(
                     cache.apply(*payload)
                 else:
                     runner.forward(payload)
+                    if device.type == "cuda":  # no tokens to read here: the step's one wait
+                        torch.cuda.synchronize(device)
+                    cache.raise_if_refused()
     except Exception:
         traceback.print_exc()
         os._exit(1)  # no cleanup that could wait on the group: rank 0 sees the exit

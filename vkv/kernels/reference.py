@@ -132,6 +132,7 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """New tokens attend causally to themselves and to the context already cached.
 
@@ -139,6 +140,8 @@ def paged_prefill_attention(
     ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]``, the last ``n_i`` of its ``context_lens[i]`` cached
     tokens (their K/V already stored). New token j sits at position ``context_lens[i] - n_i + j``
     and attends to every position up to its own. Returns ``[total_new_tokens, heads, head_dim]``.
+    ``max_query_len``, the largest ``n_i`` where the caller knows it on the host, sizes a
+    kernel's grid without a wait for the GPU (this loop reads each ``n_i`` itself).
     """
     if isinstance(k_cache, QuantizedCache):
         return quantized.quantized_prefill_attention(

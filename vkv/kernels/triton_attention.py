@@ -414,6 +414,7 @@ def paged_decode_attention(
         block_n,
         outputs=(mid_out, mid_lse, *mid_out.stride()[:3], *mid_lse.stride()[:2]),
         rows=None,
+        longest=1,
         num_splits=num_splits,
         tuning={"num_warps": num_warps, "num_stages": num_stages},
     )
@@ -441,11 +442,14 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
     block_m: int = 16,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """See ``reference.paged_prefill_attention``. ``ValueError`` for a tensor on another device
-    than the query (``check_devices``)."""
+    """See ``reference.paged_prefill_attention``. The grid has a program per tile of
+    ``block_m`` new tokens of the longest sequence: ``max_query_len`` where the caller knows it
+    on the host (the engine does), else read from ``cu_seqlens_q`` (a wait for the GPU).
+    ``ValueError`` for a tensor on another device than the query (``check_devices``)."""
     check_devices(
         "query",
         query,
@@ -455,6 +459,8 @@ def paged_prefill_attention(
         block_tables=block_tables,
         context_lens=context_lens,
     )
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     out = torch.empty_like(query)
     # one split, normalized in place: no log-sum-exp (out stands in, never written)
     _launch(
@@ -468,6 +474,7 @@ def paged_prefill_attention(
         block_n,
         outputs=(out, out, *out.stride()[:2], 0, 0, 0),
         rows=max(MIN_DOT, block_m),
+        longest=max_query_len,
         num_splits=1,
         tuning={},
     )
@@ -485,13 +492,15 @@ def _launch(
     block_n: int,
     outputs: tuple,
     rows: int | None,
+    longest: int,
     num_splits: int,
     tuning: dict[str, int],
 ) -> None:
     """Run ``_attention_kernel`` for decode (``rows`` None: a program per (sequence, KV head,
     split), its rows the KV head's query heads) or prefill (a program per (sequence, query head,
-    tile of ``rows`` new tokens)). ``outputs``: the output and log-sum-exp tensors and their
-    strides, as the kernel takes them; ``tuning``: Triton's launch options (warps, stages)."""
+    tile of ``rows`` new tokens), as many tiles as the ``longest`` sequence's new tokens fill).
+    ``outputs``: the output and log-sum-exp tensors and their strides, as the kernel takes them;
+    ``tuning``: Triton's launch options (warps, stages)."""
     caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
     block_size = caches[0].shape[1]
     block_n = max(MIN_DOT, block_n)
@@ -506,7 +515,6 @@ def _launch(
     if rows is None:
         grid, block_m = (num_seqs, num_heads // group, num_splits), triton.next_power_of_2(group)
     else:
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         grid, block_m = (num_seqs, num_heads, triton.cdiv(longest, rows)), rows
     _attention_kernel[grid](
         query,

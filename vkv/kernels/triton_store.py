@@ -8,10 +8,11 @@
   shared with the reference).
 
 A slot of -1 (padding) is skipped. A quantized store writes nothing if any key or value of the
-step is NaN or infinite (Phase 3's "all or nothing"): eagerly it raises before writing (one wait
-for the GPU); a CUDA graph cannot wait, so a cache that carries a step flag (``refused``) has
-the kernels read the flag instead, and whoever set it raises after the step
-(``decode_graphs.py``).
+step is NaN or infinite (Phase 3's "all or nothing"). A cache without a step flag raises
+before writing, after one wait for the GPU; the engine's caches quantized per token carry one
+(``refused``: a CUDA graph cannot wait, and an eager step would wait once a layer), which the
+kernels set and read instead, and the engine raises after the step
+(``CacheEngine.raise_if_refused``).
 
 Every kernel here and in ``triton_attention.py`` reads its tensors through raw pointers, so the
 wrappers first check that all of them are on one device (``check_devices``): a tensor elsewhere

@@ -136,6 +136,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [num_seqs], cached tokens after this step's writes
     cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1], prefill only
     max_context_len: int | None = None  # max(context_lens), known on the host (None: read it)
+    max_query_len: int | None = None  # the most new tokens of a sequence, prefill, on the host
 
 
 class RMSNorm(nn.Module):
@@ -284,6 +285,7 @@ class Attention(nn.Module):
                 meta.block_tables,
                 meta.context_lens,
                 scale,
+                meta.max_query_len,
             )
         else:
             out = backend.paged_decode_attention(
