@@ -14,7 +14,7 @@ from tiny_checkpoints import greedy_by_recompute, paired
 from vkv.config import Config
 from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.engine.llm_engine import LLMEngine
-from vkv.engine.model_runner import ModelRunner, greedy_tokens, sample
+from vkv.engine.model_runner import Draw, ModelRunner, draw_tokens, greedy_tokens
 from vkv.engine.scheduler import Scheduler
 from vkv.engine.sequence import Sequence
 from vkv.kernels import reference, triton_attention
@@ -157,14 +157,57 @@ def test_chunked_prefill_does_not_change_the_output(models, device):
     assert outputs == expected
 
 
-def test_seeded_sampling_is_reproducible_and_respects_top_k():
-    logits = torch.tensor([0.0, 5.0, 4.0, -3.0])
-    params = SamplingParams(temperature=1.0, top_k=2, seed=7)
-    draws = [sample(logits, params, step) for step in range(50)]
-    assert draws == [sample(logits, params, step) for step in range(50)]
-    assert set(draws) <= {1, 2} and len(set(draws)) == 2
-    assert sample(logits, SamplingParams(temperature=0.0), 0) == 1
-    assert sample(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=1), 0) == 1
+def test_seeded_draws_are_reproducible_and_do_not_depend_on_the_batch():
+    logits = torch.tensor([[0.0, 5.0, 4.0, -3.0], [1.0, 1.0, 1.0, 1.0], [2.0, 0.0, 0.0, 9.0]])
+    seeded = SamplingParams(temperature=1.0, top_k=2, seed=7)
+    alone = [draw_tokens(logits[:1], [Draw(0, seeded, [], step)])[0] for step in range(50)]
+    assert set(alone) == {1, 2}, "top_k 2 keeps tokens 1 and 2, and both come up in 50 draws"
+    others = SamplingParams(temperature=0.8)
+    for step in range(50):
+        batch = [Draw(1, others, [], 3), Draw(0, seeded, [], step), Draw(2, others, [], 9)]
+        assert draw_tokens(logits, batch)[1] == alone[step], "the seeded row, in a batch"
+
+
+def test_each_draw_of_a_batch_follows_its_own_params():
+    """Greedy, top-k and top-p rows in one batch; a draw may read any row (parallel samples
+    read their sequence's), and a logit bias moves a greedy row's token."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
+    draws = [
+        Draw(0, SamplingParams(temperature=0.0), [], 1),
+        Draw(1, SamplingParams(temperature=0.0, logit_bias={2: 5.0}), [], 1),
+        Draw(0, SamplingParams(temperature=1.0, top_k=1), [], 1),
+        Draw(1, SamplingParams(temperature=5.0, top_p=0.3), [], 1),
+        Draw(0, SamplingParams(temperature=1.0, top_k=2, seed=3), [], 1),
+    ]
+    for _ in range(20):
+        tokens = draw_tokens(logits, draws)
+        assert tokens[:4] == [3, 2, 3, 0] and tokens[4] in (2, 3)
+        assert all(type(token) is int for token in tokens)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"temperature": 1.0}, [0.0321, 0.0871, 0.2369, 0.6439]),
+        ({"temperature": 0.5}, [0.0021, 0.0158, 0.1171, 0.8650]),
+        ({"temperature": 1.0, "top_p": 0.7}, [0.0, 0.0, 0.2689, 0.7311]),
+        ({"temperature": 1.0, "top_k": 3, "seed": 5}, [0.0, 0.0900, 0.2447, 0.6652]),
+    ],
+)
+def test_draws_follow_the_softmax_of_the_scores_over_the_kept_tokens(options, expected):
+    """20,000 draws of one row: each token's share is its probability, within 0.015 (4 standard
+    deviations; seeded, so the test draws the same every run). Seeded draws differ by step. A
+    greedy draw and a top-k one of another row share the batch (their cuts are theirs alone)."""
+    torch.manual_seed(0)
+    params = SamplingParams(**options)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [9.0, 0.0, 0.0, 0.0]])
+    draws = [Draw(0, params, [], step) for step in range(20_000)]
+    others = [Draw(1, SamplingParams(temperature=0.0), [], 0)]
+    others.append(Draw(1, SamplingParams(temperature=1.0, top_k=1), [], 0))
+    tokens = draw_tokens(logits, others + draws)
+    assert tokens[:2] == [0, 0]
+    shares = torch.bincount(torch.tensor(tokens[2:]), minlength=4) / len(draws)
+    assert torch.allclose(shares, torch.tensor(expected), atol=0.015), shares
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
@@ -186,7 +229,8 @@ def test_a_step_waits_for_the_gpu_once_for_its_sampled_tokens(kv_cache_dtype, en
     warns at each wait (a device or stream synchronize, a copy to pageable host memory:
     ``.item()``, ``.tolist()``, ``bool()`` of a GPU tensor). Decode steps replayed from graphs or
     eager, with prefills joining them (the prefill kernel's grid from the host's lengths),
-    16-bit or INT8 (whose NaN refusal is read after the tokens)."""
+    16-bit or INT8 (whose NaN refusal is read after the tokens), greedy and sampled requests
+    in one batch (drawn together, penalties and all)."""
     engine = LLMEngine(
         max_num_seqs=8,
         max_model_len=256,
@@ -202,8 +246,12 @@ def test_a_step_waits_for_the_gpu_once_for_its_sampled_tokens(kv_cache_dtype, en
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for prompt in ("def add(a, b):\n", "import os\n", "class Stack:\n"):
-                engine.add_request(prompt, params)
+            for prompt, asked in (
+                ("def add(a, b):\n", params),
+                ("import os\n", SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12)),
+                ("class Stack:\n", SamplingParams(top_k=20, seed=3, presence_penalty=0.5)),
+            ):
+                engine.add_request(prompt, asked)
                 for _ in range(3):
                     engine.step()
                     steps += 1

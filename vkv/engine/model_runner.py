@@ -282,30 +282,28 @@ class ModelRunner:
             logits = self.forward(batch)
         else:
             logits = self.parallel.run_step(lambda: self.forward(batch), ("batch", batch))
-        if more_samples:
-            for row, item in zip(logits, scheduled, strict=True):
-                step, seq_id = item.seq.num_tokens, item.seq.seq_id
-                for params in more_samples.get(seq_id, ()):
-                    token = sample(adjust_logits(row, params, []), params, step)
-                    self.more_tokens.setdefault(seq_id, []).append(token)
-                    if params.logprobs is not None:
-                        entry = token_logprobs(row, token, params.logprobs)
-                        self.more_logprobs.setdefault(seq_id, []).append(entry)
-        params = [item.seq.sampling_params for item in scheduled]
-        if all(p.greedy and not p.adjusts_logits for p in params):
-            tokens = greedy_tokens(logits)
-        else:
-            tokens = [
-                sample(adjust_logits(row, p, item.seq.completion_token_ids), p, item.seq.num_tokens)
-                for row, p, item in zip(logits, params, scheduled, strict=True)
-            ]
+        draws = [
+            Draw(index, seq.sampling_params, seq.completion_token_ids, seq.num_tokens)
+            for index, seq in enumerate(item.seq for item in scheduled)
+        ]
+        for index, item in enumerate(scheduled):  # the other samples' first tokens, the same row
+            for params in (more_samples or {}).get(item.seq.seq_id, ()):
+                draws.append(Draw(index, params, [], item.seq.num_tokens))
+        drawn = draw_tokens(logits, draws)
         # the tokens are on the host: the step is over on the device too, nothing waits here
         self.model_seconds += self.clock.seconds()
         self.cache_engine.raise_if_refused()
-        for row, p, item, token in zip(logits, params, scheduled, tokens, strict=True):
-            if p.logprobs is not None:
-                self.logprobs[item.seq.seq_id] = token_logprobs(row, token, p.logprobs)
-        return tokens
+        for index, (draw, token) in enumerate(zip(draws, drawn, strict=True)):
+            seq_id, asked = scheduled[draw.row].seq.seq_id, draw.params.logprobs
+            entry = None if asked is None else token_logprobs(logits[draw.row], token, asked)
+            if index < len(scheduled):  # the sequence's own token
+                if entry is not None:
+                    self.logprobs[seq_id] = entry
+                continue
+            self.more_tokens.setdefault(seq_id, []).append(token)
+            if entry is not None:
+                self.more_logprobs.setdefault(seq_id, []).append(entry)
+        return drawn[: len(scheduled)]
 
 
 def adjust_logits(
@@ -319,11 +317,12 @@ def adjust_logits(
     if not params.adjusts_logits:
         return logits
     scores = logits.float().clone()
-    if params.logit_bias:
+    device = scores.device
+    if params.logit_bias:  # uploaded, as each list here: no wait for a GPU
         ids, biases = zip(*params.logit_bias, strict=True)
-        scores[list(ids)] += torch.tensor(biases, device=scores.device)
+        scores[upload(torch.tensor(ids), device)] += upload(torch.tensor(biases), device)
     if output_ids and (params.frequency_penalty or params.presence_penalty):
-        tokens = torch.tensor(output_ids, device=scores.device)
+        tokens = upload(torch.tensor(output_ids), device)
         counts = torch.bincount(tokens, minlength=scores.numel()).float()
         scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return scores
@@ -347,25 +346,68 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """One token from one row of logits: greedy, or temperature / top-k / top-p sampling.
+@dataclass(slots=True, frozen=True)
+class Draw:
+    """One token a step draws: from row ``row`` of the logits, by ``params``, for a sequence
+    whose completion so far is ``history`` (the penalties count it) and whose length is
+    ``step`` (a seeded draw depends on it)."""
 
-    With ``params.seed`` the draw depends only on the seed and ``step`` (the sequence length),
-    so a request's completion is reproducible whatever else is in the batch.
+    row: int
+    params: SamplingParams
+    history: list[int]
+    step: int
+
+
+def draw_tokens(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
+    """The tokens of ``draws``, drawn together: one read of the device for the whole batch.
+
+    Each draw's row of logits is adjusted (``adjust_logits``), then either greedy (argmax), or
+    divided by the temperature, cut to the ``top_k`` highest scores (ties with the k-th kept)
+    and to the most likely tokens whose probabilities before them sum to at most ``top_p`` (the
+    most likely one always kept), and drawn by inverting the row's cumulative probabilities: a
+    point drawn uniformly in ``[0, 1)`` falls in token ``t``'s stretch with probability
+    ``probs[t]`` (one search for all rows: no ``multinomial`` per row, and one random number a
+    row, where an exponential race would draw one a token). With ``params.seed`` the row's
+    point comes from a generator seeded by the seed and ``step`` alone, so that the draw does
+    not depend on the rest of the batch.
     """
-    if params.greedy:
-        return int(logits.argmax())
-    scores = logits.float() / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+    if [d.row for d in draws] == list(range(len(logits))) and all(
+        d.params.greedy and not d.params.adjusts_logits for d in draws
+    ):
+        return greedy_tokens(logits)
+    device, vocab = logits.device, logits.shape[-1]
+
+    def column(values: list) -> torch.Tensor:  # one value a draw, as a [draws, 1] tensor
+        return upload(torch.tensor(values), device)[:, None]
+
+    scores = logits[column([d.row for d in draws])[:, 0]].float()
+    for index, draw in enumerate(draws):
+        if draw.params.adjusts_logits:
+            scores[index] = adjust_logits(scores[index], draw.params, draw.history)
+    greedy = column([d.params.greedy for d in draws])
+    best = scores.argmax(-1)
+    scores /= column([1.0 if d.params.greedy else d.params.temperature for d in draws])
+    top_k = [min(d.params.top_k, vocab) if d.params.top_k > 0 else 0 for d in draws]
+    if any(top_k):
+        highest = scores.topk(max(top_k), -1).values
+        kth = highest.gather(1, column([max(k, 1) - 1 for k in top_k]))
+        kth = torch.where(column([k > 0 for k in top_k]), kth, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = scores.softmax(-1)
-    if params.top_p < 1.0:
-        ordered, order = probs.sort(descending=True)
-        drop = ordered.cumsum(0) - ordered > params.top_p
-        probs = probs.scatter(0, order, ordered.masked_fill(drop, 0.0))
-    generator = None
-    if params.seed is not None:
-        seed = (params.seed * 1_000_003 + step) % MAX_SEED
-        generator = torch.Generator(device=probs.device).manual_seed(seed)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    if any(d.params.top_p < 1.0 for d in draws):
+        ordered, order = probs.sort(-1, descending=True)
+        limit = column([p if (p := d.params.top_p) < 1.0 else float("inf") for d in draws])
+        ordered = ordered.masked_fill(ordered.cumsum(-1) - ordered > limit, 0.0)
+        probs = probs.scatter(-1, order, ordered)
+    cumulative = probs.cumsum(-1)
+    point = torch.rand(len(draws), 1, device=device)
+    for index, draw in enumerate(draws):
+        if draw.params.seed is not None and not draw.params.greedy:
+            seed = (draw.params.seed * 1_000_003 + draw.step) % MAX_SEED
+            generator = torch.Generator(device).manual_seed(seed)
+            point[index] = torch.rand(1, device=device, generator=generator)
+    point *= cumulative[:, -1:]  # the rows' sums, 1 up to rounding
+    drawn = torch.searchsorted(cumulative, point, right=True).clamp_(max=vocab - 1)
+    # a point rounded onto a row's end lands past it: the most likely token then, never one cut
+    drawn = torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True))
+    return torch.where(greedy, best[:, None], drawn)[:, 0].tolist()
