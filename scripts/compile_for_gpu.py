@@ -9,10 +9,13 @@ intercepted: instead of running, the launch is compiled ahead of time for ``TARG
 arguments it was given (their dtypes, the constexprs, the launch options), to PTX and cubin
 with the ``ptxas`` that Triton's wheel carries. Nothing runs and no GPU is needed.
 
-    python scripts/compile_for_gpu.py [--anatomy]
+    python scripts/compile_for_gpu.py [--anatomy] [--load]
 
 It prints a line per launch and a summary; exit status 1 if any launch failed to compile
-(``tests/runtime/test_kernels_compile_for_a_gpu.py`` runs it). With ``--anatomy``, each line
+(``tests/runtime/test_kernels_compile_for_a_gpu.py`` runs it). With ``--load``, only the
+launches that inline part 3.8's ``load_dequantized``: the attention kernel, decode and prefill,
+in each quantized format, on caches left empty (no store, no plan: those are other parts), which
+part 3.8's graded test runs on a student's load. With ``--anatomy``, each line
 also says what the GPU would run (from the cubin, by the ``cuobjdump`` of Triton's wheel):
 registers a thread, bytes spilled to local memory, instructions, and the global loads by width
 (``LDG``: into registers, ``LDGSTS``: an asynchronous copy into shared memory, as a pipelined
@@ -47,6 +50,7 @@ TARGET = GPUTarget("cuda", 90, 32)  # an H100 or H200: compute capability 9.0, 3
 BACKEND = make_backend(TARGET)
 SHOWN = ("DECODE", "BITS", "KEYS_PER_CHANNEL", "FOLD_KEYS", "ADD", "NORM")
 SHOW_ANATOMY = False
+ONLY_LOAD = False  # --load: the attention kernel's launches alone
 failures: list[str] = []
 compiled: list[str] = []
 
@@ -55,6 +59,8 @@ def compile_launch(kernel: JITFunction, *args, grid, warmup, **kwargs) -> None:
     """Stands in for ``JITFunction.run``: compile this launch for ``TARGET``, specialized as a
     launch there would be (Triton's own binder: argument types, constexprs, and the alignment
     of pointers and integers that lets loads be vectorized)."""
+    if ONLY_LOAD and kernel.fn.__name__ != "_attention_kernel":
+        return
     binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(
@@ -105,12 +111,14 @@ def caches(kv_cache_dtype: str, keys: str, block_size: int) -> CacheEngine:
 
 
 def attention(engine: CacheEngine) -> None:
-    """A store, a decode (both stages) and a prefill over ``engine``'s layer 0."""
-    slots = list(range(4))
-    engine.plan_step(slots)  # keys per channel: the step's plan, which the layer carries
+    """A store (but with ``--load``), a decode (both stages) and a prefill over ``engine``'s
+    layer 0."""
+    if not ONLY_LOAD:
+        slots = list(range(4))
+        engine.plan_step(slots)  # keys per channel: the step's plan, which the layer carries
+        key = torch.randn(4, 2, 128, dtype=torch.float16)
+        triton_attention.store_kvcache(key, key.clone(), *engine.layer(0), torch.tensor(slots))
     k_cache, v_cache = engine.layer(0)
-    key = torch.randn(4, 2, 128, dtype=torch.float16)
-    triton_attention.store_kvcache(key, key.clone(), k_cache, v_cache, torch.tensor(slots))
     tables = torch.zeros(2, 3, dtype=torch.int32)
     lengths = torch.tensor([20, 30], dtype=torch.int32)
     query = torch.randn(2, 8, 128, dtype=torch.float16)
@@ -139,12 +147,14 @@ def layer_ops() -> None:
 
 
 def main() -> int:
-    global SHOW_ANATOMY
+    global SHOW_ANATOMY, ONLY_LOAD
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--anatomy", action="store_true", help="registers, spills, loads")
-    SHOW_ANATOMY = parser.parse_args().anatomy
+    parser.add_argument("--load", action="store_true", help="part 3.8's load: attention only")
+    args = parser.parse_args()
+    SHOW_ANATOMY, ONLY_LOAD = args.anatomy, args.load
     JITFunction.run = compile_launch
-    formats = [("auto", "per_token", 16)]
+    formats = [] if ONLY_LOAD else [("auto", "per_token", 16)]
     for bits in (8, 4):
         formats.append((f"int{bits}", "per_token", 16))
         formats.append((f"int{bits}", "per_channel", 16))  # a tile inside a block: folded
@@ -156,7 +166,8 @@ def main() -> int:
         except NotImplementedError as stub:  # a student's tree: a part not written yet
             skipped += 1
             print(f"skipped {kv_cache_dtype} {keys}, block {block_size}: {stub}", flush=True)
-    layer_ops()
+    if not ONLY_LOAD:
+        layer_ops()
     print(
         f"{len(compiled)} launches compiled for sm_90, {len(failures)} failed"
         + (f", {skipped} cache formats skipped (a part's stub)" if skipped else ""),

@@ -6,9 +6,12 @@ of ``(x - min) / scale`` and ``code * scale + min`` rounds too, by a few units i
 of the largest magnitude involved.
 """
 
+import os
 import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import kernel_device  # noqa: F401 (first: Triton must not be imported before it)
 import pytest
@@ -1509,3 +1512,38 @@ def test_part8_a_masked_token_is_never_read_wherever_its_offsets_point():
             f"INT{bits}{' keys per channel' if per_channel else ''}: token 0 is 7 * 0.5 + 1.0 "
             f"= 4.5 in every channel and the masked token 0.0; got {tile}"
         )
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the tests above compile the load for real")
+def test_part8_your_load_compiles_for_a_gpu_inside_the_attention_kernel():
+    """The interpreter that runs these tests on a CPU accepts code that Triton's compiler
+    refuses (a shape unpacked into local names, a Python scalar where a block goes, a dtype no
+    GPU instruction takes): a load that passes every test above can still fail on the first GPU
+    it meets. ``scripts/compile_for_gpu.py --load`` compiles the given attention kernel around
+    your load for an H100 or H200 (sm_90): decode and prefill, INT8 and INT4, per token and
+    keys per channel, with Triton's own compiler and the ``ptxas`` its wheel carries; nothing
+    runs. Compiled kernels are kept in Triton's cache under the temporary folder: the same
+    source compiles once."""
+    load_tile([7] * 4, [0.5], [1.0], [0], [0], [1], 8, False, 4)  # first, on the interpreter
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
+        pytest.skip("this Triton wheel carries no ptxas to compile with")
+    root = Path(__file__).resolve().parents[1]
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environment |= {
+        "PYTHONPATH": str(root),
+        "TRITON_CACHE_DIR": str(Path(tempfile.gettempdir()) / "vkv-triton-sm90"),
+        "TRITON_DEFAULT_FP_FUSION": "1",
+    }
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts/compile_for_gpu.py"), "--load"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=600,
+    )
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    first = run.stdout[run.stdout.find("FAILED") :][:1500] if failed else run.stderr[-1500:]
+    assert run.returncode == 0 and "12 launches compiled for sm_90, 0 failed" in run.stdout, (
+        f"your load_dequantized does not compile for a GPU in {len(failed)} launches "
+        f"({', '.join(line.removeprefix('FAILED ') for line in failed[:3])}); the first: {first}"
+    )
