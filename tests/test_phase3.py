@@ -6,11 +6,9 @@ of ``(x - min) / scale`` and ``code * scale + min`` rounds too, by a few units i
 of the largest magnitude involved.
 """
 
-import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import kernel_device  # noqa: F401 (first: Triton must not be imported before it)
@@ -22,7 +20,7 @@ from grading_policy import policy_test
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis_settings import graded_settings
-from kernel_device import DEVICE, launched
+from kernel_device import DEVICE, compile_for_gpu, launched
 
 # The torch functions the assertions compare with, bound before vkv.engine is imported: a
 # solution region that replaced torch.equal (or allclose, isnan) later would not change them.
@@ -1527,20 +1525,7 @@ def test_part8_your_load_compiles_for_a_gpu_inside_the_attention_kernel():
     load_tile([7] * 4, [0.5], [1.0], [0], [0], [1], 8, False, 4)  # first, on the interpreter
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
         pytest.skip("this Triton wheel carries no ptxas to compile with")
-    root = Path(__file__).resolve().parents[1]
-    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    environment |= {
-        "PYTHONPATH": str(root),
-        "TRITON_CACHE_DIR": str(Path(tempfile.gettempdir()) / "vkv-triton-sm90"),
-        "TRITON_DEFAULT_FP_FUSION": "1",
-    }
-    run = subprocess.run(
-        [sys.executable, str(root / "scripts/compile_for_gpu.py"), "--load"],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=600,
-    )
+    run = compile_for_gpu("--load")
     failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
     first = run.stdout[run.stdout.find("FAILED") :][:1500] if failed else run.stderr[-1500:]
     assert run.returncode == 0 and "12 launches compiled for sm_90, 0 failed" in run.stdout, (
