@@ -28,7 +28,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu-check}
 PYTHON=${PYTHON:-python3}
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+# absolute: tests start processes in other folders
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export VKV_GPU_CHECK_OUT=$OUT
 
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then

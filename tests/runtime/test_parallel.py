@@ -148,11 +148,13 @@ def test_torchrun_starts_every_rank_and_the_others_serve_rank_0(tmp_path):
     arguments = ["generate", "def fibonacci(n):\n", "--temperature", "0", "--max-tokens", "24"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     launcher += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--no-python"]
-    vkv = shutil.which("vkv") or "vkv"
-    command = [*launcher, vkv, *arguments, "--tensor-parallel-size", "2"]
+    # the installed script; where the tree is only importable (a GPU machine's python3 with
+    # PYTHONPATH, scripts/gpu_check.sh), the module
+    vkv = [shutil.which("vkv")] if shutil.which("vkv") else [sys.executable, "-m", "vkv.cli"]
+    command = [*launcher, *vkv, *arguments, "--tensor-parallel-size", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    alone = subprocess.run([vkv, *arguments], capture_output=True, text=True, timeout=300)
+    alone = subprocess.run([*vkv, *arguments], capture_output=True, text=True, timeout=300)
     assert done.stdout == alone.stdout and "def fibonacci" in done.stdout
     assert "tensor parallel over 2 processes" in done.stderr
 
