@@ -17,11 +17,17 @@ launches that inline part 3.8's ``load_dequantized``: the attention kernel, deco
 in each quantized format, on caches left empty (no store, no plan: those are other parts), which
 part 3.8's graded test runs on a student's load. With ``--anatomy``, each line
 also says what the GPU would run (from the cubin, by the ``cuobjdump`` of Triton's wheel):
-registers a thread, bytes spilled to local memory, instructions, and the global loads by width
-(``LDG``: into registers, ``LDGSTS``: an asynchronous copy into shared memory, as a pipelined
-tile loop does; ``.128``: 16 bytes a lane, the widest; ``.U8``: one byte). No timing: a GPU
-measures (``benchmarks/bench_decode_kernel.py``); this shows why a kernel is slow before one
-is at hand.
+registers a thread, bytes spilled to local memory, instructions, how many of them the longest
+loop holds (the attention kernel's tile loop, which each of a program's warps issues once for
+``BLOCK_N`` cached tokens: so many warp instructions a cached token), and the global loads by
+width (``LDG``: into registers, ``LDGSTS``: an asynchronous copy into shared memory, as a
+pipelined tile loop does; ``.128``: 16 bytes a lane, the widest; ``.U8``: one byte). No
+timing: a GPU measures (``benchmarks/bench_decode_kernel.py``); this shows why a kernel is slow
+before one is at hand. Bytes are not the only cost: an H200's SM receives about 16 bytes a
+cycle at the copy bandwidth and issues at most 4 warp instructions a cycle (the first GPU run's
+INT8 decode issued 1.4 a cycle), so a token of one KV head (K and V: 512 bytes in 16 bits, 264
+in INT8, 136 in INT4) leaves about 126, 65 and 34 warp instructions at the very best before
+the tile loop, not the memory, sets the time (phase3.md's cost model).
 """
 
 import argparse
@@ -48,7 +54,7 @@ from vkv.kernels import triton_attention, triton_layer_ops
 
 TARGET = GPUTarget("cuda", 90, 32)  # an H100 or H200: compute capability 9.0, 32-lane warps
 BACKEND = make_backend(TARGET)
-SHOWN = ("DECODE", "BITS", "KEYS_PER_CHANNEL", "FOLD_KEYS", "ADD", "NORM")
+SHOWN = ("DECODE", "BITS", "KEYS_PER_CHANNEL", "FOLD_KEYS", "BLOCK_N", "ADD", "NORM")
 SHOW_ANATOMY = False
 ONLY_LOAD = False  # --load: the attention kernel's launches alone
 failures: list[str] = []
@@ -79,12 +85,17 @@ def compile_launch(kernel: JITFunction, *args, grid, warmup, **kwargs) -> None:
         print(f"FAILED {label}\n{traceback.format_exc(limit=2)}", flush=True)
         return
     compiled.append(label)
-    details = f": {anatomy(compiled_kernel.asm['cubin'])}" if SHOW_ANATOMY else ""
+    details = ""
+    if SHOW_ANATOMY:
+        cubin = compiled_kernel.asm["cubin"]
+        details = f": {anatomy(cubin, options.num_warps, values.get('BLOCK_N'))}"
     print(f"compiled {label} in {time.perf_counter() - started:.1f} s{details}", flush=True)
 
 
-def anatomy(cubin: bytes) -> str:
-    """Registers, spilled bytes, instructions and global loads by width of one kernel."""
+def anatomy(cubin: bytes, num_warps: int, tile_tokens: int | None) -> str:
+    """Registers, spilled bytes, instructions, the longest loop's (with ``tile_tokens``, the
+    tokens a tile loop's pass reads: the warp instructions a cached token costs) and global
+    loads by width of one kernel."""
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
@@ -96,12 +107,31 @@ def anatomy(cubin: bytes) -> str:
             [tool, "-sass", file.name], capture_output=True, text=True, check=True
         ).stdout
     registers, stack = re.search(r"REG:(\d+)", usage)[1], re.search(r"STACK:(\d+)", usage)[1]
-    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
+    instructions = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass, re.M)
     loads = collections.Counter(re.findall(r"\b(LDG|LDGSTS)\.E(?:\.BYPASS)?(?:\.(\w+))?", sass))
     widths = ", ".join(
         f"{count} {kind}.{width or '32'}" for (kind, width), count in sorted(loads.items())
     )
-    return f"{registers} registers, {stack} B spilled, {instructions} instructions; {widths}"
+    loop = longest_loop(instructions)
+    per_token = f", {num_warps} warps x {loop} / {tile_tokens} tokens" if tile_tokens else ""
+    per_token += f" = {num_warps * loop / tile_tokens:.1f} a cached token" if tile_tokens else ""
+    return (
+        f"{registers} registers, {stack} B spilled, {len(instructions)} instructions"
+        f" ({loop} in the longest loop{per_token}); {widths}"
+    )
+
+
+def longest_loop(instructions: list[tuple[str, str]]) -> int:
+    """How many instructions the longest loop of a kernel's SASS holds (a branch back to an
+    earlier address closes a loop): the tile loop's, which a warp issues once a tile."""
+    addresses = [int(address, 16) for address, _ in instructions]
+    longest = 0
+    for address, (_, text) in zip(addresses, instructions, strict=True):
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if branch and int(branch[1], 16) < address:
+            start = int(branch[1], 16)
+            longest = max(longest, sum(start <= at <= address for at in addresses))
+    return longest
 
 
 def caches(kv_cache_dtype: str, keys: str, block_size: int) -> CacheEngine:

@@ -3,6 +3,7 @@
 code that the compiler refuses, and a kernel that fails to compile costs a lent GPU's minutes.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -20,3 +21,9 @@ def test_every_launch_of_the_gpu_path_compiles_for_sm_90():
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "35 launches compiled for sm_90, 0 failed" in run.stdout, run.stdout[-2000:]
     assert "_attention_kernel(DECODE=True, BITS=16" in run.stdout and "registers" in run.stdout
+    # the tile loop found in each attention kernel's SASS, and what a cached token costs in it
+    for line in run.stdout.splitlines():
+        if line.startswith("compiled _attention_kernel"):
+            loop = re.search(r"\((\d+) in the longest loop, \d warps x \d+ / \d+ tokens", line)
+            total = re.search(r"(\d+) instructions", line)
+            assert loop and 0 < int(loop[1]) < int(total[1]), line
