@@ -14,9 +14,11 @@ fp16's. Times are medians of CUDA-event
 timings.
 
 ``--sweep`` times the launch options instead (``SWEEP``: tokens a tile, warps, pipeline
-stages; a tile is one block for keys per channel, so there only warps and stages), for each
-format, and writes ``decode_sweep.json``: the fastest options beside the defaults, for the
-defaults of ``triton_attention.paged_decode_attention`` to follow.
+stages; for keys per channel also ``fold_keys``: folded, a tile is one block, so only warps and
+stages; not folded, tiles of every size at the default stages), for each format, and writes
+``decode_sweep.json`` (after each format, so a run cut short keeps what it timed): the fastest
+options beside the defaults, for the defaults of ``triton_attention.paged_decode_attention``
+to follow.
 
     python benchmarks/bench_decode_kernel.py [--sweep] [--out DIR]
 
@@ -84,23 +86,36 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() * source.element_size() / (ms / 1e3)
 
 
-def sweep(formats: dict, decode, kv_bytes: dict) -> list[dict]:
-    """Each format's median time at every combination of ``SWEEP`` (block_n fixed for keys
-    per channel), fastest first within a format, each with its speed against the defaults. A
-    combination whose tiles do not fit the GPU's shared memory is left out, and said so."""
+def launches(name: str) -> list[dict]:
+    """The launch options a format is timed at: every combination of ``SWEEP``; for keys per
+    channel, folded at the one tile a block allows, and not folded at each tile and warps with
+    the default stages (each launch compiles anew: the stage's minutes are few)."""
+    combinations = [dict(zip(SWEEP, o, strict=True)) for o in itertools.product(*SWEEP.values())]
+    if "per channel" not in name:
+        return combinations
+    folded = [o | {"fold_keys": True} for o in combinations if o["block_n"] == DEFAULTS["block_n"]]
+    stages = DEFAULTS["num_stages"]
+    unfolded = [o | {"fold_keys": False} for o in combinations if o["num_stages"] == stages]
+    return folded + unfolded
+
+
+def sweep(formats: dict, decode, kv_bytes: dict, save=None) -> list[dict]:
+    """Each format's median time at each of its ``launches``, fastest first within a format,
+    each with its speed against the defaults (keys per channel: folded); ``save`` gets the rows
+    so far after each format. A combination whose tiles do not fit the GPU's shared memory is
+    left out, and said so."""
     rows = []
     for name, (k, v) in formats.items():
-        grid = dict(SWEEP, block_n=(64,)) if "per channel" in name else SWEEP
         timed = []
-        for options in itertools.product(*grid.values()):
-            launch = dict(zip(grid, options, strict=True))
+        for launch in launches(name):
             try:
                 ms = median_ms(lambda k=k, v=v, o=launch: decode(k, v, **o), repeat=10)
             except OutOfResources as error:
                 print(f"{name:>28}: {launch} left out: {error}")
                 continue
             timed.append(launch | {"format": name, "ms": ms})
-        default = next(row for row in timed if row.items() >= DEFAULTS.items())["ms"]
+        defaults = DEFAULTS | ({"fold_keys": True} if "per channel" in name else {})
+        default = next(row for row in timed if row.items() >= defaults.items())["ms"]
         for row in sorted(timed, key=lambda row: row["ms"]):
             row["gb_per_s"] = kv_bytes[name] / (row["ms"] / 1e3) / 1e9
             row["speedup_over_defaults"] = default / row["ms"]
@@ -108,10 +123,19 @@ def sweep(formats: dict, decode, kv_bytes: dict) -> list[dict]:
         best = rows[-len(timed)]
         print(
             f"{name:>28}: defaults {default:.3f} ms; best {best['ms']:.3f} ms "
-            f"({best['speedup_over_defaults']:.2f}x) at block_n {best['block_n']}, "
-            f"{best['num_warps']} warps, {best['num_stages']} stages"
+            f"({best['speedup_over_defaults']:.2f}x) at {options_text(best)}"
         )
+        if save is not None:
+            save(rows)
     return rows
+
+
+def options_text(row: dict) -> str:
+    """A timed launch's options in words."""
+    text = f"block_n {row['block_n']}, {row['num_warps']} warps, {row['num_stages']} stages"
+    if "fold_keys" in row:
+        text += ", keys folded" if row["fold_keys"] else ", keys not folded"
+    return text
 
 
 def main() -> int:
@@ -151,8 +175,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
     if args.sweep:
-        rows = sweep(formats, decode, read)
-        (out / "decode_sweep.json").write_text(json.dumps({"device": device, "rows": rows}))
+        path = out / "decode_sweep.json"
+        sweep(
+            formats,
+            decode,
+            read,
+            lambda rows: path.write_text(json.dumps({"device": device, "rows": rows})),
+        )
         return 0
     expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
     error = float((decode(k_cache, v_cache).float() - expected.float()).abs().max())

@@ -1,7 +1,7 @@
 """The decode-kernel benchmark's launch sweep, with the timing stubbed (the timings themselves
 need a GPU: ``scripts/gpu_check.sh``'s ``decode_sweep`` stage): every combination of
-``SWEEP`` is timed once per format, the tile fixed where keys are per channel (one block a
-tile), fastest first, each against the defaults."""
+``SWEEP`` is timed once per format, keys per channel also not folded (folded, the tile is
+fixed: one block a tile), fastest first, each against the defaults."""
 
 import sys
 from pathlib import Path
@@ -21,28 +21,39 @@ def test_the_sweep_times_every_combination_and_compares_it_with_the_defaults(mon
     def fake_ms(run, repeat):
         return run()
 
-    def decode(k, v, block_n, num_warps, num_stages):
-        calls.append((k, block_n, num_warps, num_stages))
+    def decode(k, v, block_n, num_warps, num_stages, fold_keys=None):
+        calls.append((k, block_n, num_warps, num_stages, fold_keys))
         if (block_n, num_stages) == (128, 3):
             raise OutOfResources(262144, 232448, "shared memory")
-        return 1.0 + block_n / 64 + num_stages / 10 - num_warps / 100  # made-up milliseconds
+        made_up_ms = 1.0 + block_n / 64 + num_stages / 10 - num_warps / 100
+        return made_up_ms + (0.5 if fold_keys else 0.0)
 
     monkeypatch.setattr(bench_decode_kernel, "median_ms", fake_ms)
     formats = {"16-bit": ("fp16", None), "int8 KV, keys per channel": ("channel", None)}
     read = {"16-bit": 2e9, "int8 KV, keys per channel": 1e9}
-    rows = bench_decode_kernel.sweep(formats, decode, read)
+    saved = []
+    rows = bench_decode_kernel.sweep(formats, decode, read, lambda rows: saved.append(len(rows)))
+    assert saved == [3 * 2 * 2 - 2, len(rows)], "the rows so far, after each format"
     assert len([c for c in calls if c[0] == "fp16"]) == 3 * 2 * 2
     assert len([row for row in rows if row["format"] == "16-bit"]) == 3 * 2 * 2 - 2, (
         "the two that do not fit are left out"
     )
-    assert {c[1] for c in calls if c[0] == "channel"} == {64}, "one block a tile: no tile sweep"
+    assert {c[4] for c in calls if c[0] == "fp16"} == {None}, "per token: nothing to fold"
+    assert {c[1] for c in calls if c[0] == "channel" and c[4]} == {64}, "folded: a block a tile"
+    unfolded = {c[1:4] for c in calls if c[0] == "channel" and c[4] is False}
+    assert unfolded == {(n, w, 3) for n in (32, 64, 128) for w in (4, 8)}, "default stages"
     fastest = rows[0]
     assert (fastest["block_n"], fastest["num_warps"], fastest["num_stages"]) == (32, 8, 2)
     default_ms = 1.0 + 1 + 0.3 - 0.04
     assert fastest["speedup_over_defaults"] == pytest.approx(default_ms / fastest["ms"])
     assert fastest["gb_per_s"] == pytest.approx(2e9 / (fastest["ms"] / 1e3) / 1e9)
     channel = [row for row in rows if row["format"] == "int8 KV, keys per channel"]
-    assert len(channel) == 4 and channel[0]["ms"] <= channel[-1]["ms"]
+    assert len(channel) == 2 * 2 + 3 * 2 - 2 and channel[0]["ms"] <= channel[-1]["ms"]
+    assert channel[0]["fold_keys"] is False, "here the made-up fold is slower"
+    folded_default_ms = default_ms + 0.5
+    assert channel[0]["speedup_over_defaults"] == pytest.approx(
+        folded_default_ms / channel[0]["ms"]
+    ), "against the default launch: folded"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU measures instead")

@@ -557,6 +557,9 @@ def test_triton_folds_a_blocks_channel_scales_into_the_query_as_the_reference_re
     for splits in (2, 5):
         got = triton_attention.paged_decode_attention(query, *args, num_splits=splits)
         assert torch.allclose(got, expected, atol=2e-5), f"{splits} splits"
+    # the launch option the GPU sweep compares it with: every lane its own scale, tiles of 32
+    got = triton_attention.paged_decode_attention(query, *args, block_n=32, fold_keys=False)
+    assert torch.allclose(got, expected, atol=2e-5), "not folded"
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -378,12 +378,17 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    fold_keys: bool = True,
 ) -> torch.Tensor:
     """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K;
     by default one per 512 tokens the block tables can reach, at most 16). ``block_n`` (tokens
     a tile), ``num_warps`` and ``num_stages`` (Triton's: warps a program, loads in flight) tune
-    the launch on a GPU (``benchmarks/bench_decode_kernel.py --sweep``). ``ValueError`` for a
-    tensor on another device than the query (``check_devices``)."""
+    the launch on a GPU (``benchmarks/bench_decode_kernel.py --sweep``), and so does
+    ``fold_keys``: keys per channel in blocks of a multiple of 16 tokens fold a block's scales
+    into the query, a tile a block (``FOLD_KEYS``); False reads them as smaller blocks do, each
+    lane its channel's scale and zero, in tiles of ``block_n`` across blocks (fewer instructions
+    a token, more bytes through the caches: which is faster is the GPU's to say).
+    ``ValueError`` for a tensor on another device than the query (``check_devices``)."""
     check_devices(
         "query",
         query,
@@ -416,6 +421,7 @@ def paged_decode_attention(
         rows=None,
         longest=1,
         num_splits=num_splits,
+        fold_keys=fold_keys,
         tuning={"num_warps": num_warps, "num_stages": num_stages},
     )
     out = torch.empty_like(query)
@@ -476,6 +482,7 @@ def paged_prefill_attention(
         rows=max(MIN_DOT, block_m),
         longest=max_query_len,
         num_splits=1,
+        fold_keys=True,
         tuning={},
     )
     return out
@@ -494,17 +501,19 @@ def _launch(
     rows: int | None,
     longest: int,
     num_splits: int,
+    fold_keys: bool,
     tuning: dict[str, int],
 ) -> None:
     """Run ``_attention_kernel`` for decode (``rows`` None: a program per (sequence, KV head,
     split), its rows the KV head's query heads) or prefill (a program per (sequence, query head,
     tile of ``rows`` new tokens), as many tiles as the ``longest`` sequence's new tokens fill).
     ``outputs``: the output and log-sum-exp tensors and their strides, as the kernel takes them;
-    ``tuning``: Triton's launch options (warps, stages)."""
+    ``fold_keys``: whether keys per channel may fold (where their blocks allow); ``tuning``:
+    Triton's launch options (warps, stages)."""
     caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
     block_size = caches[0].shape[1]
     block_n = max(MIN_DOT, block_n)
-    fold_keys = keys_per_channel and block_size % MIN_DOT == 0
+    fold_keys = fold_keys and keys_per_channel and block_size % MIN_DOT == 0
     unit = query  # the unit scale and zero of folded keys' codes (else never read)
     if fold_keys:  # a tile inside a block: the largest power of two up to block_n dividing it
         block_n = math.gcd(block_size, block_n)
