@@ -25,7 +25,8 @@ class SamplingParams:
     - ``temperature``: 0 means greedy (argmax); otherwise logits are divided by it. Below
       ``SAMPLING_EPS`` (1e-5) it is greedy too: dividing by 1e-300 overflows the logits.
     - ``top_k``: keep the k most likely tokens; -1 keeps all.
-    - ``top_p``: keep the smallest set of tokens whose probability reaches p; in (0, 1].
+    - ``top_p``: keep the smallest set of tokens whose probability reaches p (and every token as
+      likely as the least likely of them); in (0, 1].
     - ``max_tokens``: the most tokens to generate (the completion, not the prompt).
     - ``ignore_eos``: keep generating past the end-of-sequence token (benchmarks use it).
     - ``seed``: a per-request seed, so a sampled completion can be reproduced.

@@ -185,6 +185,31 @@ def test_each_draw_of_a_batch_follows_its_own_params():
         assert all(type(token) is int for token in tokens)
 
 
+@pytest.mark.parametrize("top_k", [-1, 4], ids=["vocabulary sorted", "top-k sorted"])
+def test_top_p_keeps_every_token_as_likely_as_the_least_likely_it_keeps(top_k):
+    """Probabilities 0.687, 0.093 three times, 0.034 (top-k 4: 0.711, 0.096 three times): top-p
+    0.72 keeps the first and, with it, one of the three equal ones (the mass before it is within
+    0.72): all three then, not whichever a sort puts first; never the last."""
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
+    params = SamplingParams(temperature=1.0, top_p=0.72, top_k=top_k)
+    tokens = draw_tokens(logits, [Draw(0, params, [], step) for step in range(400)])
+    assert set(tokens) == {0, 1, 2, 3}
+
+
+def test_seeded_rows_draw_alike_alone_and_in_batches_that_sort_the_vocabulary_or_the_top_k():
+    """Where every row that cuts by top-p has a top-k, only the top-k candidates are sorted; a
+    row that cuts without one makes the batch sort the vocabulary. Neither changes a seeded
+    row's token: one cut by top-k and top-p, one cut by neither."""
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(1))
+    for step in range(40):
+        both = SamplingParams(temperature=1.5, top_k=50, top_p=0.8, seed=step)
+        cuts, plain = Draw(0, both, [], step), Draw(1, SamplingParams(seed=step), [], step)
+        wide = Draw(1, SamplingParams(temperature=1.0, top_p=0.5), [], step)
+        alone = draw_tokens(logits, [cuts]) + draw_tokens(logits, [plain])
+        assert draw_tokens(logits, [cuts, plain]) == alone, "the top-k candidates sorted"
+        assert draw_tokens(logits, [cuts, plain, wide])[:2] == alone, "the vocabulary sorted"
+
+
 @pytest.mark.parametrize(
     ("options", "expected"),
     [

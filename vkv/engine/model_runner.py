@@ -346,6 +346,24 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
+def top_p_cut(probs: torch.Tensor, top_p: list[float], top_k: list[int], column) -> torch.Tensor:
+    """``probs`` with each row cut to its most likely tokens whose probabilities before them sum
+    to at most ``top_p`` (1: no cut), and to every token as likely as the least likely of those
+    (ties are kept whole, as ``top_k`` keeps them: the order of equal values decides nothing).
+    Where every row that cuts also kept its ``top_k`` highest only (0: not cut), their prefix
+    lies among the largest ``max(top_k)``, and only those are sorted, not the vocabulary."""
+    cutting = [p < 1.0 for p in top_p]
+    width = probs.shape[-1]
+    if all(k > 0 for k, cuts in zip(top_k, cutting, strict=True) if cuts):
+        width = min(width, max(top_k))
+    ordered = probs.topk(width, -1).values  # sorted, most likely first
+    before = ordered.cumsum(-1) - ordered
+    limit = column([p if cuts else float("inf") for p, cuts in zip(top_p, cutting, strict=True)])
+    least = ordered.masked_fill(before > limit, float("inf")).amin(-1, keepdim=True)
+    least = torch.where(column(cutting), least, 0.0)  # a row that does not cut keeps every token
+    return probs.masked_fill(probs < least, 0.0)
+
+
 class Draw(NamedTuple):  # a tuple: a step makes one a sequence (a frozen dataclass: twice the time)
     """One token a step draws: from row ``row`` of the logits, by ``params``, for a sequence
     whose completion so far is ``history`` (the penalties count it) and whose length is
@@ -363,7 +381,8 @@ def draw_tokens(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
     Each draw's row of logits is adjusted (``adjust_logits``), then either greedy (argmax), or
     divided by the temperature, cut to the ``top_k`` highest scores (ties with the k-th kept)
     and to the most likely tokens whose probabilities before them sum to at most ``top_p`` (the
-    most likely one always kept), and drawn by inverting the row's cumulative probabilities: a
+    most likely one always kept, and ties with the least likely kept one), and drawn by
+    inverting the row's cumulative probabilities: a
     point drawn uniformly in ``[0, 1)`` falls in token ``t``'s stretch with probability
     ``probs[t]`` (one search for all rows: no ``multinomial`` per row, and one random number a
     row, where an exponential race would draw one a token). With ``params.seed`` the row's
@@ -395,10 +414,7 @@ def draw_tokens(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = scores.softmax(-1)
     if any(d.params.top_p < 1.0 for d in draws):
-        ordered, order = probs.sort(-1, descending=True)
-        limit = column([p if (p := d.params.top_p) < 1.0 else float("inf") for d in draws])
-        ordered = ordered.masked_fill(ordered.cumsum(-1) - ordered > limit, 0.0)
-        probs = probs.scatter(-1, order, ordered)
+        probs = top_p_cut(probs, [d.params.top_p for d in draws], top_k, column)
     cumulative = probs.cumsum(-1)
     point = torch.rand(len(draws), 1, device=device)
     for index, draw in enumerate(draws):
