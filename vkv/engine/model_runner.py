@@ -346,12 +346,18 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
-def top_p_cut(probs: torch.Tensor, top_p: list[float], top_k: list[int], column) -> torch.Tensor:
-    """``probs`` with each row cut to its most likely tokens whose probabilities before them sum
-    to at most ``top_p`` (1: no cut), and to every token as likely as the least likely of those
-    (ties are kept whole, as ``top_k`` keeps them: the order of equal values decides nothing).
-    Where every row that cuts also kept its ``top_k`` highest only (0: not cut), their prefix
-    lies among the largest ``max(top_k)``, and only those are sorted, not the vocabulary."""
+def top_p_cut(
+    probs: torch.Tensor,
+    top_p: list[float],
+    top_k: list[int],
+    column: Callable[[list], torch.Tensor],
+) -> torch.Tensor:
+    """``probs``, each row cut in place to its most likely tokens whose probabilities before
+    them sum to at most ``top_p`` (1: no cut), and to every token as likely as the least likely
+    of those (ties are kept whole, as ``top_k`` keeps them: the order of equal values decides
+    nothing). Where every row that cuts also kept its ``top_k`` highest only (0: not cut),
+    their prefix lies among the largest ``max(top_k)``, and only those are sorted, not the
+    vocabulary. ``column`` makes a list, one value a row, a ``[rows, 1]`` tensor beside them."""
     cutting = [p < 1.0 for p in top_p]
     width = probs.shape[-1]
     if all(k > 0 for k, cuts in zip(top_k, cutting, strict=True) if cuts):
@@ -361,7 +367,7 @@ def top_p_cut(probs: torch.Tensor, top_p: list[float], top_k: list[int], column)
     limit = column([p if cuts else float("inf") for p, cuts in zip(top_p, cutting, strict=True)])
     least = ordered.masked_fill(before > limit, float("inf")).amin(-1, keepdim=True)
     least = torch.where(column(cutting), least, 0.0)  # a row that does not cut keeps every token
-    return probs.masked_fill(probs < least, 0.0)
+    return probs.masked_fill_(probs < least, 0.0)
 
 
 class Draw(NamedTuple):  # a tuple: a step makes one a sequence (a frozen dataclass: twice the time)
@@ -404,14 +410,14 @@ def draw_tokens(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
         if draw.params.adjusts_logits:
             scores[index] = adjust_logits(scores[index], draw.params, draw.history)
     greedy = column([d.params.greedy for d in draws])
-    best = scores.argmax(-1)
+    best = scores.argmax(-1, keepdim=True)  # also the most likely token after every cut
     scores /= column([1.0 if d.params.greedy else d.params.temperature for d in draws])
     top_k = [min(d.params.top_k, vocab) if d.params.top_k > 0 else 0 for d in draws]
     if any(top_k):
         highest = scores.topk(max(top_k), -1).values
         kth = highest.gather(1, column([max(k, 1) - 1 for k in top_k]))
         kth = torch.where(column([k > 0 for k in top_k]), kth, float("-inf"))
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        scores.masked_fill_(scores < kth, float("-inf"))
     probs = scores.softmax(-1)
     if any(d.params.top_p < 1.0 for d in draws):
         probs = top_p_cut(probs, [d.params.top_p for d in draws], top_k, column)
@@ -425,5 +431,5 @@ def draw_tokens(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
     point *= cumulative[:, -1:]  # the rows' sums, 1 up to rounding
     drawn = torch.searchsorted(cumulative, point, right=True).clamp_(max=vocab - 1)
     # a point rounded onto a row's end lands past it: the most likely token then, never one cut
-    drawn = torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True))
-    return torch.where(greedy, best[:, None], drawn)[:, 0].tolist()
+    drawn = torch.where(probs.gather(1, drawn) > 0, drawn, best)
+    return torch.where(greedy, best, drawn)[:, 0].tolist()
