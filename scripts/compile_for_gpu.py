@@ -25,9 +25,9 @@ pipelined tile loop does; ``.128``: 16 bytes a lane, the widest; ``.U8``: one by
 timing: a GPU measures (``benchmarks/bench_decode_kernel.py``); this shows why a kernel is slow
 before one is at hand. Bytes are not the only cost: an H200's SM receives about 16 bytes a
 cycle at the copy bandwidth and issues at most 4 warp instructions a cycle (the first GPU run's
-INT8 decode issued about 1.5 a cycle), so a token of one KV head (K and V: 512 bytes in 16 bits, 264
-in INT8, 136 in INT4) leaves about 126, 65 and 34 warp instructions at the very best before
-the tile loop, not the memory, sets the time (phase3.md's cost model).
+INT8 decode issued about 1.5 a cycle), so a token of one KV head (K and V: 512 bytes in 16
+bits, 264 in INT8, 136 in INT4) leaves about 126, 65 and 34 warp instructions at the very best
+before the tile loop, not the memory, sets the time (phase3.md's cost model).
 """
 
 import argparse

@@ -387,13 +387,12 @@ def draw_tokens(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
     Each draw's row of logits is adjusted (``adjust_logits``), then either greedy (argmax), or
     divided by the temperature, cut to the ``top_k`` highest scores (ties with the k-th kept)
     and to the most likely tokens whose probabilities before them sum to at most ``top_p`` (the
-    most likely one always kept, and ties with the least likely kept one), and drawn by
-    inverting the row's cumulative probabilities: a
-    point drawn uniformly in ``[0, 1)`` falls in token ``t``'s stretch with probability
-    ``probs[t]`` (one search for all rows: no ``multinomial`` per row, and one random number a
-    row, where an exponential race would draw one a token). With ``params.seed`` the row's
-    point comes from a generator seeded by the seed and ``step`` alone, so that the draw does
-    not depend on the rest of the batch.
+    most likely one always kept, and ties with the least likely kept one: ``top_p_cut``), and
+    drawn by inverting the row's cumulative probabilities: a point drawn uniformly in ``[0, 1)``
+    falls in token ``t``'s stretch with probability ``probs[t]`` (one search for all rows: no
+    ``multinomial`` per row, and one random number a row, where an exponential race would draw
+    one a token). With ``params.seed`` the row's point comes from a generator seeded by the
+    seed and ``step`` alone, so that the draw does not depend on the rest of the batch.
     """
     if len(draws) == len(logits) and all(
         d.params.greedy and not d.params.adjusts_logits and d.row == index
