@@ -1104,7 +1104,8 @@ def test_part8_random_traces_hit_the_block_aligned_optimum(rng):
 def test_part9_random_runs_keep_every_slot_holding_its_own_prefix(rng):
     size = rng.randint(1, 3)
     m = new_manager(size, rng.randint(6, 14), 12)
-    bases = [[rng.randrange(4) for _ in range(rng.randint(2, 8))] for _ in range(3)]
+    lengths = [rng.randint(2, 3), rng.randint(2, 8), rng.randint(2, 8)]
+    bases = [[rng.randrange(4) for _ in range(length)] for length in lengths]
     slots: dict = {}
     gpu, cpu, next_id = [], [], 0
 
@@ -1118,10 +1119,15 @@ def test_part9_random_runs_keep_every_slot_holding_its_own_prefix(rng):
             for off in range(size):
                 slots[dst, b, off] = slots.get((src, a, off))
 
-    for _ in range(120):
-        op = rng.choice(["admit", "decode", "decode", "fork", "free", "swap_out", "swap_in"])
+    # the run opens with the part's own operations on a sequence that fits any pool drawn (the
+    # first base: at most 5 of at least 6 blocks, decoded), so that no draw leaves them unused
+    opening = ["admit", "decode", "swap_out", "swap_in"]
+    for step in range(120):
+        ops = ["admit", "decode", "decode", "fork", "free", "swap_out", "swap_in"]
+        op = opening[step] if step < len(opening) else rng.choice(ops)
         if op == "admit":
-            seq = Sequence(next_id, [*rng.choice(bases), rng.randrange(4)], size)
+            base = bases[0] if step == 0 else rng.choice(bases)
+            seq = Sequence(next_id, [*base, rng.randrange(4)], size)
             next_id += 1
             if m.can_allocate(seq) is AllocStatus.OK:
                 m.allocate(seq)
