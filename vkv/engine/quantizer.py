@@ -23,9 +23,10 @@ Invariants:
   by at most half a step; the clamp only removes floating-point error at the ends);
 - a group whose maximum equals its minimum (a constant vector) has ``scale == 0`` and
   dequantizes exactly to its constant: nothing divides by zero, nothing becomes NaN;
-- INT4 codes are packed two per byte along the last dimension: byte ``i`` holds code ``2i`` in
-  its low nibble (bits 0-3) and code ``2i + 1`` in its high nibble (bits 4-7), SGLang's order;
-  INT8 codes are one per byte. Codes are ``torch.uint8``; scales and zeros ``torch.float32``.
+- INT4 codes are packed two per byte along the last dimension, by halves (LMDeploy's order): of
+  ``2n`` codes, byte ``i`` holds code ``i`` in its low nibble (bits 0-3) and code ``n + i`` in
+  its high nibble (bits 4-7); INT8 codes are one per byte. Codes are ``torch.uint8``; scales
+  and zeros ``torch.float32``.
 
 Bad input raises ``ValueError`` and computes nothing: ``bits`` other than 4 or 8, an unknown
 granularity, a tensor that is not floating point, is empty, or holds NaN or an infinity, a
@@ -76,14 +77,19 @@ class Quantizer:
     def max_code(self) -> int:
         return (1 << self.bits) - 1
 
-    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        """Codes, scales and zeros of ``x`` (given: checks, groups by granularity, packs INT4)."""
+    def quantize(self, x: torch.Tensor, head_dim: int | None = None) -> QuantizedTensor:
+        """Codes, scales and zeros of ``x`` (given: checks, groups by granularity, packs INT4).
+
+        INT4 packs each head's ``head_dim`` codes on their own, by halves; by default the last
+        dimension is one head. A group over several heads (one scale for all of a token's heads)
+        passes ``head_dim``: the kernels read a head's bytes at a time."""
         self._check(x)
         x = x.float()
         low, high = _token_range(x) if self.granularity == "per_token" else _channel_range(x)
         scale, codes = self._encode(x, low, high)
         if self.bits == 4:
-            codes = pack_int4(codes)
+            heads = codes.unflatten(-1, (-1, head_dim or codes.shape[-1]))
+            codes = pack_int4(heads).flatten(-2)
         return QuantizedTensor(codes, scale, low, self.bits)
 
     def dequantize(self, quantized: QuantizedTensor) -> torch.Tensor:
@@ -140,25 +146,26 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tor
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte along the last dimension: ``[..., 2n]`` uint8 codes in
-    ``[0, 15]`` become ``[..., n]`` bytes, code ``2i`` in the low nibble of byte ``i`` and code
-    ``2i + 1`` in its high nibble. Raise ``ValueError`` for an odd last dimension ("pack_int4
-    needs an even last dimension, got 3") or a code above 15 ("a 4-bit code is at most 15")."""
+    """Two 4-bit codes per byte along the last dimension, by halves: ``[..., 2n]`` uint8 codes
+    in ``[0, 15]`` become ``[..., n]`` bytes, code ``i`` of the first half in the low nibble of
+    byte ``i`` and code ``n + i`` of the second half in its high nibble. Raise ``ValueError``
+    for an odd last dimension ("pack_int4 needs an even last dimension, got 3") or a code above
+    15 ("a 4-bit code is at most 15")."""
     ### BEGIN SOLUTION part3.2
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_int4 needs an even last dimension, got {codes.shape[-1]}")
     if bool((codes > 15).any()):
         raise ValueError("a 4-bit code is at most 15")
-    low, high = codes[..., 0::2], codes[..., 1::2]
-    return (low | (high << 4)).to(torch.uint8)
+    first, second = codes.chunk(2, dim=-1)
+    return (first | (second << 4)).to(torch.uint8)
     ### END SOLUTION
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``pack_int4``: ``[..., n]`` bytes become ``[..., 2n]`` uint8 codes."""
+    """The inverse of ``pack_int4``: ``[..., n]`` bytes become ``[..., 2n]`` uint8 codes, the
+    low nibbles first, then the high ones."""
     ### BEGIN SOLUTION part3.2
-    low, high = packed & 0x0F, packed >> 4
-    return torch.stack((low, high), dim=-1).flatten(-2)
+    return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
     ### END SOLUTION
 
 

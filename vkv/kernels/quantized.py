@@ -5,7 +5,8 @@
 dimension is the block (``cache_engine.py`` makes them):
 
 - ``codes [num_blocks, block_size, kv_heads, head_dim * bits / 8]`` (uint8; INT4: two codes a
-  byte, the even one in the low nibble, ``pack_int4``'s order);
+  byte by halves, channel ``i`` in the low nibble and ``head_dim / 2 + i`` in the high one,
+  ``pack_int4``'s order);
 - ``scale`` and ``zero``, in the model's dtype, either per token ``[num_blocks, block_size,
   groups, 1]``, with ``groups`` the KV heads (one group per head: LMDeploy's) or 1 (one group
   per token over all its heads: ``quant_group="token"``), or, for keys per channel (KIVI's),
@@ -74,7 +75,7 @@ def store_quantized(
         rows = x[keep]
         groups = cache.scale.shape[2]
         grouped = rows.reshape(rows.shape[0], groups, -1)
-        q = Quantizer(cache.bits).quantize(grouped)
+        q = Quantizer(cache.bits).quantize(grouped, head_dim=x.shape[-1])
         codes = cache.codes.view(-1, *cache.codes.shape[2:])
         scales = cache.scale.view(-1, *cache.scale.shape[2:])
         zeros = cache.zero.view(-1, *cache.zero.shape[2:])

@@ -134,17 +134,15 @@ def _attention_kernel(
         start = 0
         last_visible = tl.minimum(context, context - num_new + (q_tile + 1) * BLOCK_M)
         end = tl.where(q_tile * BLOCK_M < num_new, last_visible, 0)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    row_dims = row_mask[:, None] & dim_mask[None, :]
-    q = tl.load(
-        q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-        mask=row_dims,
-        other=0.0,
-    )
+    lanes = tl.arange(0, BLOCK_D // 2)  # lane j: channel j, and HEAD_DIM / 2 + j
+    lane_mask = lanes < HEAD_DIM // 2
+    row_lanes = row_mask[:, None] & lane_mask[None, :]
+    q_at = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + lanes[None, :]
+    q_first, q_second = _halves(q_at, row_lanes, 0.0, HEAD_DIM)
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc_first = tl.zeros([BLOCK_M, BLOCK_D // 2], tl.float32)
+    acc_second = tl.zeros([BLOCK_M, BLOCK_D // 2], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_table
     for tile in range(start, end, BLOCK_N):
         positions = tile + tl.arange(0, BLOCK_N)
@@ -153,55 +151,68 @@ def _attention_kernel(
         slots = positions % BLOCK_SIZE
         rows_at = blocks * stride_block + slots * stride_slot + kv_head * stride_head
         scales_at = blocks * scale_block + slots * scale_slot + kv_head * scale_head
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        kv_mask = pos_mask[:, None] & lane_mask[None, :]
         if KEYS_PER_CHANNEL:  # a partial block's keys are in the residual, as values
             held = tl.load(residual_slot_ptr + blocks, mask=pos_mask, other=-1).to(tl.int64)
             in_residual = (held >= 0)[:, None]
             residual_at = held * residual_block + slots * residual_slot + kv_head * residual_head
-            residual = tl.load(
-                residual_ptr + residual_at[:, None] + dims[None, :],
-                mask=kv_mask & in_residual,
-                other=0.0,
-            ).to(tl.float32)
+            residual_first, residual_second = _halves(
+                residual_ptr + residual_at[:, None] + lanes[None, :],
+                kv_mask & in_residual,
+                0.0,
+                HEAD_DIM,
+            )
         if FOLD_KEYS:  # one block a tile: codes at a unit scale; the block's scales fold into q
-            codes = load_dequantized(
+            codes_first, codes_second = load_dequantized(
                 k_ptr,
                 unit_ptr,
                 unit_ptr + 1,
                 rows_at,
                 positions * 0,
-                dims,
+                lanes,
                 kv_mask & (held < 0)[:, None],
                 BITS,
                 False,
                 HEAD_DIM,
             )
             block = tl.load(table_ptr + tile // BLOCK_SIZE).to(tl.int64)
-            channels_at = block * k_scale_block + kv_head * k_scale_head + dims
-            scaled = dim_mask & (dims * 0 + tl.max(held, 0) < 0)  # residual: scale 1, zero 0
-            s = tl.load(k_scale_ptr + channels_at, mask=scaled, other=1.0).to(tl.float32)
-            z = tl.load(k_zero_ptr + channels_at, mask=scaled, other=0.0).to(tl.float32)
-            q_scaled = (q.to(tl.float32) * s[None, :]).to(q.dtype)
-            k = (codes + residual).to(q.dtype)
-            scores = tl.dot(q_scaled, tl.trans(k), input_precision=PRECISION)
-            scores += tl.sum(q.to(tl.float32) * z[None, :], 1)[:, None]
+            channels_at = block * k_scale_block + kv_head * k_scale_head + lanes
+            scaled = lane_mask & (lanes * 0 + tl.max(held, 0) < 0)  # residual: scale 1, zero 0
+            s_first, s_second = _halves(k_scale_ptr + channels_at, scaled, 1.0, HEAD_DIM)
+            z_first, z_second = _halves(k_zero_ptr + channels_at, scaled, 0.0, HEAD_DIM)
+            scores = _dot_halves(
+                (q_first.to(tl.float32) * s_first[None, :]).to(q_first.dtype),
+                (q_second.to(tl.float32) * s_second[None, :]).to(q_first.dtype),
+                tl.trans((codes_first + residual_first).to(q_first.dtype)),
+                tl.trans((codes_second + residual_second).to(q_first.dtype)),
+                PRECISION,
+            )
+            q_zero = q_first.to(tl.float32) * z_first[None, :]
+            scores += tl.sum(q_zero + q_second.to(tl.float32) * z_second[None, :], 1)[:, None]
         else:
             k_scales_at = blocks * k_scale_block + slots * k_scale_slot + kv_head * k_scale_head
-            k = _load_rows(
+            k_first, k_second = _load_rows(
                 k_ptr,
                 k_scale_ptr,
                 k_zero_ptr,
                 rows_at,
                 k_scales_at,
-                dims,
+                lanes,
                 kv_mask,
                 BITS,
                 KEYS_PER_CHANNEL,
                 HEAD_DIM,
             )
             if KEYS_PER_CHANNEL:
-                k = tl.where(in_residual, residual, k)
-            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+                k_first = tl.where(in_residual, residual_first, k_first)
+                k_second = tl.where(in_residual, residual_second, k_second)
+            scores = _dot_halves(
+                q_first,
+                q_second,
+                tl.trans(k_first.to(q_first.dtype)),
+                tl.trans(k_second.to(q_first.dtype)),
+                PRECISION,
+            )
         scores = scores * scale
         if DECODE:  # every cached token of the split precedes the one new token
             visible = pos_mask[None, :]
@@ -212,28 +223,66 @@ def _attention_kernel(
         correction = tl.exp(running_max - new_max)
         probs = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, 1)
-        v = _load_rows(
-            v_ptr, v_scale_ptr, v_zero_ptr, rows_at, scales_at, dims, kv_mask, BITS, False, HEAD_DIM
+        v_first, v_second = _load_rows(
+            v_ptr,
+            v_scale_ptr,
+            v_zero_ptr,
+            rows_at,
+            scales_at,
+            lanes,
+            kv_mask,
+            BITS,
+            False,
+            HEAD_DIM,
         )
-        v = v.to(q.dtype)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        probs = probs.to(q_first.dtype)
+        acc_first = tl.dot(
+            probs,
+            v_first.to(q_first.dtype),
+            acc_first * correction[:, None],
+            input_precision=PRECISION,
+        )
+        acc_second = tl.dot(
+            probs,
+            v_second.to(q_first.dtype),
+            acc_second * correction[:, None],
+            input_precision=PRECISION,
+        )
         running_max = new_max
 
     has_tokens = running_sum > 0
     safe_sum = tl.where(has_tokens, running_sum, 1.0)
-    out = tl.where(has_tokens[:, None], acc / safe_sum[:, None], 0.0)
-    tl.store(
+    out_at = (
         out_ptr
         + tokens[:, None] * stride_ot
         + heads[:, None] * stride_oh
         + split * stride_os
-        + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_dims,
+        + lanes[None, :]
     )
+    out_type = out_ptr.dtype.element_ty
+    out_first = tl.where(has_tokens[:, None], acc_first / safe_sum[:, None], 0.0)
+    out_second = tl.where(has_tokens[:, None], acc_second / safe_sum[:, None], 0.0)
+    tl.store(out_at, out_first.to(out_type), mask=row_lanes)
+    tl.store(out_at + HEAD_DIM // 2, out_second.to(out_type), mask=row_lanes)
     if DECODE:
         lse = tl.where(has_tokens, running_max + tl.log(safe_sum), float("-inf"))
         tl.store(lse_ptr + seq * stride_lse_t + heads * stride_lse_h + split, lse, mask=row_mask)
+
+
+@triton.jit
+def _halves(at, mask, other, HEAD_DIM: tl.constexpr):
+    """The two halves of rows whose first halves' elements are at ``at``: channels ``j`` and
+    ``HEAD_DIM / 2 + j`` at lane ``j`` (``other`` where ``mask`` is false)."""
+    first = tl.load(at, mask=mask, other=other)
+    second = tl.load(at + HEAD_DIM // 2, mask=mask, other=other)
+    return first, second
+
+
+@triton.jit
+def _dot_halves(a_first, a_second, b_first, b_second, PRECISION: tl.constexpr):
+    """``a · b`` over a head's channels, from their two halves: two half-width dots."""
+    partial = tl.dot(a_first, b_first, input_precision=PRECISION)
+    return tl.dot(a_second, b_second, partial, input_precision=PRECISION)
 
 
 @triton.jit
@@ -243,30 +292,30 @@ def _load_rows(
     zero_ptr,
     rows_at,
     scales_at,
-    dims,
+    lanes,
     mask,
     BITS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """Cached rows ``[tokens, dims]``: as stored (``BITS`` 16), or dequantized in registers by
-    ``triton_quantized.load_dequantized`` (8 or 4 bits; part 3.8)."""
+    """Cached rows ``[tokens, dims]`` as their two halves: as stored (``BITS`` 16), or
+    dequantized in registers by ``triton_quantized.load_dequantized`` (8 or 4 bits; part 3.8)."""
     if BITS == 16:  # UNQUANTIZED
-        rows = tl.load(cache_ptr + rows_at[:, None] + dims[None, :], mask=mask, other=0.0)
+        first, second = _halves(cache_ptr + rows_at[:, None] + lanes[None, :], mask, 0.0, HEAD_DIM)
     else:
-        rows = load_dequantized(
+        first, second = load_dequantized(
             cache_ptr,
             scale_ptr,
             zero_ptr,
             rows_at,
             scales_at,
-            dims,
+            lanes,
             mask,
             BITS,
             PER_CHANNEL,
             HEAD_DIM,
         )
-    return rows
+    return first, second
 
 
 @triton.jit
@@ -364,7 +413,16 @@ def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     if query.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("query and caches must be contiguous in head_dim, caches alike")
+    if query.shape[-1] % 2:
+        raise ValueError(
+            f"the kernels split head_dim in halves: it must be even, got {query.shape[-1]}"
+        )
     return num_heads // num_kv_heads
+
+
+def _block_d(head_dim: int) -> int:
+    """``BLOCK_D``: ``head_dim`` rounded up to a power of two, halves wide enough for a dot."""
+    return max(2 * MIN_DOT, triton.next_power_of_2(head_dim))
 
 
 def paged_decode_attention(
@@ -402,7 +460,7 @@ def paged_decode_attention(
         # and fixed for a captured graph (its tables are max_model_len wide)
         reach = block_tables.shape[1] * k_cache.shape[1]
         num_splits = max(1, min(16, triton.cdiv(reach, 512)))
-    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    block_d = _block_d(head_dim)
     mid_out = torch.empty(
         batch, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device
     )
@@ -542,7 +600,7 @@ def _launch(
         GROUP=group,
         BLOCK_M=max(MIN_DOT, block_m),
         HEAD_DIM=head_dim,
-        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,

@@ -2,8 +2,9 @@
 
 - ``_store_kvcache_kernel``: one program per token copies its K and V rows into their slots.
 - ``_store_quantized_kernel``: one program per (token, KV head) row of a ``QuantizedCache``
-  (Phase 3) quantizes the row where it stands (minimum, scale, codes; INT4 packs code ``2i`` in
-  the low nibble of byte ``i``). Keys per channel go to the residual instead, and the blocks a
+  (Phase 3) quantizes the row where it stands (minimum, scale, codes; INT4 packs by halves,
+  channel ``i`` in the low nibble of byte ``i`` and channel ``head_dim / 2 + i`` in its high
+  nibble). Keys per channel go to the residual instead, and the blocks a
   step fills are quantized by ``quantized.store_keys_per_channel`` (torch: a few blocks a step,
   shared with the reference).
 
@@ -109,6 +110,7 @@ def store_kvcache(
                 cache.scale.stride(1),
                 cache.scale.stride(2),
                 HEAD_DIM=width,
+                HALF=head_dim // 2,
                 BLOCK_D=max(2, triton.next_power_of_2(width)),
                 BITS=cache.bits,
             )
@@ -143,12 +145,14 @@ def _store_quantized_kernel(
     stride_scale_slot,
     stride_scale_head,
     HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BITS: tl.constexpr,
 ):
-    """One (token, KV head) row: its minimum, scale and codes (``quantizer.py``'s formulas,
-    halves rounded up rather than to even), written to the token's slot unless it is -1 or the
-    step is refused (``refused_ptr`` holds 1)."""
+    """One (token, group) row of ``HEAD_DIM`` channels (a KV head's, or all of a token's heads'):
+    its minimum, scale and codes (``quantizer.py``'s formulas, halves rounded up rather than to
+    even; INT4 packs each head's channels by halves, ``HALF`` apiece), written to the token's
+    slot unless it is -1 or the step is refused (``refused_ptr`` holds 1)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     given = tl.load(slot_ptr + token).to(tl.int64)
@@ -172,10 +176,11 @@ def _store_quantized_kernel(
     else:
         pairs = tl.arange(0, BLOCK_D // 2)
         in_pairs = pairs < HEAD_DIM // 2
-        even = tl.load(row_ptr + 2 * pairs, mask=in_pairs, other=0.0).to(tl.float32)
-        odd = tl.load(row_ptr + 2 * pairs + 1, mask=in_pairs, other=0.0).to(tl.float32)
-        low_codes = tl.minimum(tl.maximum(tl.floor((even - low) / step + 0.5), 0.0), levels)
-        high_codes = tl.minimum(tl.maximum(tl.floor((odd - low) / step + 0.5), 0.0), levels)
+        firsts = pairs + pairs // HALF * HALF  # each head's halves: channels j and HALF + j
+        first = tl.load(row_ptr + firsts, mask=in_pairs, other=0.0).to(tl.float32)
+        second = tl.load(row_ptr + firsts + HALF, mask=in_pairs, other=0.0).to(tl.float32)
+        low_codes = tl.minimum(tl.maximum(tl.floor((first - low) / step + 0.5), 0.0), levels)
+        high_codes = tl.minimum(tl.maximum(tl.floor((second - low) / step + 0.5), 0.0), levels)
         packed = low_codes.to(tl.int32) | (high_codes.to(tl.int32) << 4)
         tl.store(codes_at + pairs, packed.to(tl.uint8), mask=in_pairs & ((pairs * 0 + writes) > 0))
     first = dims < 1  # the scale and the zero, stored through the row's first lane
