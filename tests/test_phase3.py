@@ -206,19 +206,20 @@ def test_part1_half_precision_input_is_quantized_in_float32_and_left_alone():
 # ---- Part 3.2: INT4 packing ------------------------------------------------------------------
 
 
-def test_part2_the_low_nibble_holds_the_even_code():
+def test_part2_byte_i_holds_code_i_low_and_code_n_plus_i_high():
     codes = torch.tensor([[1, 2, 15, 0, 7, 9]], dtype=torch.uint8)
     packed = pack_int4(codes)
-    expected = [0x21, 0x0F, 0x97]
+    expected = [0x01, 0x72, 0x9F]
     assert packed.dtype == torch.uint8 and packed.tolist() == [expected], (
-        f"byte i holds code 2i in bits 0-3 and code 2i + 1 in bits 4-7: expected "
-        f"{[hex(b) for b in expected]}, got {[hex(b) for b in packed.flatten().tolist()]}"
+        f"of 2n codes, byte i holds code i in bits 0-3 and code n + i in bits 4-7 (by halves): "
+        f"expected {[hex(b) for b in expected]}, got "
+        f"{[hex(b) for b in packed.flatten().tolist()]}"
     )
 
 
 def test_part2_unpack_reads_the_same_order():
     packed = torch.tensor([[0x21, 0x0F], [0xF0, 0x5A]], dtype=torch.uint8)
-    expected = [[1, 2, 15, 0], [0, 15, 10, 5]]
+    expected = [[1, 15, 2, 0], [0, 10, 15, 5]]
     got = unpack_int4(packed)
     assert got.dtype == torch.uint8 and got.tolist() == expected, (
         f"unpack_int4: expected {expected}, got {got.tolist()}"
@@ -386,7 +387,7 @@ def codes_of(cache: QuantizedCache) -> torch.Tensor:
     raw = cache.codes.reshape(-1, KV_HEADS, cache.codes.shape[-1]).long()
     if cache.bits == 8:
         return raw
-    return torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)
+    return torch.cat((raw & 15, raw >> 4), dim=-1)  # a head's first half, then its second
 
 
 def decode_slot(cache: QuantizedCache, slot: int) -> torch.Tensor:
@@ -462,15 +463,29 @@ def test_part5_int8_codes_are_exact_on_a_known_token():
     assert zero == [0.0, -1.0], f"zero is each head's minimum: expected [0.0, -1.0], got {zero}"
 
 
-def test_part5_int4_codes_are_packed_two_per_byte_low_nibble_first():
+def test_part5_int4_codes_are_packed_two_per_byte_by_halves():
     key = torch.tensor([[[0.0, 15.0, 3.0, 12.0], [1.0, 1.0, 1.0, 16.0]]])
     k_cache, v_cache = empty_cache(4), empty_cache(4)
     store_quantized(key, key.clone(), k_cache, v_cache, torch.tensor([2]))
     got = k_cache.codes[0, 2].tolist()
-    expected = [[0 | 15 << 4, 3 | 12 << 4], [0 | 0 << 4, 0 | 15 << 4]]
+    expected = [[0 | 3 << 4, 15 | 12 << 4], [0 | 0 << 4, 0 | 15 << 4]]
     assert got == expected, (
-        "INT4: codes 0..15, byte i holds channel 2i's code in bits 0-3 and channel 2i + 1's in "
-        f"bits 4-7 (pack_int4's order); slot 2 expected bytes {expected}, got {got}"
+        "INT4: codes 0..15, byte i holds channel i's code in bits 0-3 and channel "
+        f"head_dim / 2 + i's in bits 4-7 (pack_int4's order); slot 2 expected bytes {expected}, "
+        f"got {got}"
+    )
+
+
+def test_part5_int4_packs_each_head_by_halves_when_a_group_covers_all_heads():
+    key = torch.tensor([[[0.0, 15.0, 3.0, 12.0], [1.0, 1.0, 1.0, 14.0]]])
+    k_cache, v_cache = empty_cache(4, groups=1), empty_cache(4, groups=1)
+    store_quantized(key, key.clone(), k_cache, v_cache, torch.tensor([2]))
+    got = k_cache.codes[0, 2].tolist()
+    expected = [[0 | 3 << 4, 15 | 12 << 4], [1 | 1 << 4, 1 | 14 << 4]]
+    assert got == expected, (
+        "INT4 with one group per token (scale 1, zero 0 over both heads): each head's row of "
+        "bytes holds that head's channels, packed by halves on their own (the kernels read a "
+        f"head's row at a time); slot 2 expected bytes {expected}, got {got}"
     )
 
 
@@ -1188,7 +1203,7 @@ def test_part7_partial_blocks_are_the_blocks_of_each_sequences_partial_tail():
 # IEEE precision, on a GPU too: one bound, 1e-4, for both); single tiles go through a small
 # kernel of the tests' own.
 
-TILE_D = 16  # the kernels' BLOCK_D for HEAD_DIM 4: channels 4..15 are padding
+TILE_D = 32  # the kernels' BLOCK_D for HEAD_DIM 4: two halves of 16 lanes, lanes 2..15 padding
 
 
 def on_device(cache: QuantizedCache) -> QuantizedCache:
@@ -1366,21 +1381,25 @@ def _tile_kernel(
     PER_CHANNEL: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """One tile through ``load_dequantized``, every lane written to ``out [BLOCK_N, BLOCK_D]``."""
+    """One tile through ``load_dequantized``: every lane of its two halves written to ``out
+    [BLOCK_N, BLOCK_D]``, the first half's lanes, then the second's."""
     tokens = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
+    lanes = tl.arange(0, BLOCK_D // 2)
     rows_at = tl.load(rows_ptr + tokens).to(tl.int64)
     scales_at = tl.load(scales_ptr + tokens).to(tl.int64)
     valid = tl.load(valid_ptr + tokens) != 0
-    mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
-    tile = load_dequantized(
-        codes_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL, HEAD_DIM
+    mask = valid[:, None] & (lanes < HEAD_DIM // 2)[None, :]
+    first, second = load_dequantized(
+        codes_ptr, scale_ptr, zero_ptr, rows_at, scales_at, lanes, mask, BITS, PER_CHANNEL, HEAD_DIM
     )
-    tl.store(out_ptr + tokens[:, None] * BLOCK_D + dims[None, :], tile)
+    at = out_ptr + tokens[:, None] * BLOCK_D + lanes[None, :]
+    tl.store(at, first)
+    tl.store(at + BLOCK_D // 2, second)
 
 
 def load_tile(codes, scale, zero, rows_at, scales_at, valid, bits, per_channel, head_dim):
-    """``load_dequantized`` on flat planes: the tile ``[len(rows_at), TILE_D]`` it returns."""
+    """``load_dequantized`` on flat planes: its halves side by side, ``[len(rows_at), TILE_D]``
+    (``lane_of`` says where a channel is)."""
     n = len(rows_at)
     out = torch.full((n, TILE_D), -7.0, device=DEVICE)  # -7: a lane the function left unset
 
@@ -1405,17 +1424,38 @@ def load_tile(codes, scale, zero, rows_at, scales_at, valid, bits, per_channel, 
     return out.cpu()
 
 
-def assert_tile(got: torch.Tensor, expected: list[list[float]], what: str) -> None:
+def lane_of(channel: int, head_dim: int) -> int:
+    """Where ``load_tile`` puts a channel: the first half's lanes, then the second's."""
+    half = head_dim // 2
+    return channel if channel < half else TILE_D // 2 + channel - half
+
+
+def in_channel_order(tile: torch.Tensor, head_dim: int) -> list[list[float]]:
+    return [[float(row[lane_of(i, head_dim)]) for i in range(head_dim)] for row in tile]
+
+
+def assert_tile(
+    got: torch.Tensor, expected: list[list[float]], what: str, head_dim: int = 4
+) -> None:
+    """``got`` (``load_tile``'s) holds ``expected`` (rows in channel order, ``[]`` for a masked
+    token) on its real lanes, 0.0 on every other."""
     want = torch.zeros(len(expected), TILE_D)
     for t, row in enumerate(expected):
-        want[t, : len(row)] = torch.tensor(row)
+        for channel, value in enumerate(row):
+            want[t, lane_of(channel, head_dim)] = value
     wrong = (got - want).abs().gt(1e-6).nonzero().tolist()
     if wrong:
-        t, i = wrong[0]
+        t, lane = wrong[0]
+        half, j = divmod(lane, TILE_D // 2)
+        where = (
+            f"channel {half * head_dim // 2 + j}"
+            if j < head_dim // 2
+            else f"padding lane {j} of the {('first', 'second')[half]} half"
+        )
         raise AssertionError(
-            f"{what}: lane (token {t}, channel {i}) is {float(got[t, i])}, expected "
-            f"{float(want[t, i])}; tile {got[:, :6].tolist()} (first 6 channels), expected "
-            f"{want[:, :6].tolist()}"
+            f"{what}: token {t}, {where}, is {float(got[t, lane])}, expected "
+            f"{float(want[t, lane])}; the tile in channel order: "
+            f"{in_channel_order(got, head_dim)}, expected {in_channel_order(want, head_dim)}"
         )
 
 
@@ -1435,19 +1475,20 @@ def test_part8_an_int8_tile_is_codes_times_the_tokens_scale_plus_zero():
     )
 
 
-def test_part8_an_int4_tile_reads_the_even_channel_from_the_low_nibble():
+def test_part8_an_int4_tile_reads_the_first_half_from_the_low_nibbles():
     got = load_tile([0x21, 0x43, 0xF0], [0.5], [-1.0], [0], [0], [1], 4, False, head_dim=6)
     assert_tile(
         got,
-        [[-0.5, 0.0, 0.5, 1.0, -1.0, 6.5]],
-        "INT4: bytes 0x21 0x43 0xF0 hold the codes 1, 2, 3, 4, 0, 15 (channel 2j in the low "
-        "nibble of byte j, 2j + 1 in its high nibble)",
+        [[-0.5, 0.5, -1.0, 0.0, 1.0, 6.5]],
+        "INT4: bytes 0x21 0x43 0xF0 hold the codes 1, 3, 0 (low nibbles: channels 0-2, the "
+        "first half) and 2, 4, 15 (high nibbles: channels 3-5, the second half)",
+        head_dim=6,
     )
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_part8_keys_per_channel_take_the_channels_scale_and_zero(bits):
-    codes = [3, 5, 7, 9] if bits == 8 else [0x53, 0x97]
+    codes = [3, 5, 7, 9] if bits == 8 else [0x73, 0x95]
     scale = [NAN, 1.0, 2.0, 0.5, 0.25]
     zero = [NAN, 0.0, -1.0, 10.0, 100.0]
     got = load_tile(codes, scale, zero, [0], [1], [1], bits, True, head_dim=4)
@@ -1464,26 +1505,26 @@ def test_part8_masked_lanes_are_zero_and_read_nothing(bits, per_channel):
     codes = [200] * (2 * width)
     planes = [NAN] * 2 + [2.0] * 4 + [NAN] * 16  # NaN wherever a masked lane would look
     got = load_tile(codes, planes, planes, [width, 0], [2, 0], [1, 0], bits, per_channel, 4)
-    codes_of_token_0 = [200] * 4 if bits == 8 else [8, 12, 8, 12]  # 200 is 0xC8
+    codes_of_token_0 = [200] * 4 if bits == 8 else [8, 8, 12, 12]  # 200 is 0xC8
     assert_tile(
         got,
         [[code * 2.0 + 2.0 for code in codes_of_token_0], []],
         f"INT{bits}{' per channel' if per_channel else ''}: token 1 is masked (past a context) "
-        "and channels 4..15 are padding: those lanes are 0.0 and no plane is read for them "
-        "(the planes hold NaN there)",
+        "and lanes 2..15 of each half are padding: those lanes are 0.0 and no plane is read "
+        "for them (the planes hold NaN there)",
     )
 
 
 FAR_TILES = """
 import sys
 sys.path[:0] = {path!r}
-from test_phase3 import load_tile
+from test_phase3 import in_channel_order, load_tile
 far = 1 << 44  # elements past every plane: a read there faults
 for bits, per_channel in {kinds!r}:
     codes = [7] * 4 if bits == 8 else [0x77] * 2
     print(bits, per_channel, flush=True)  # the kind being read, should the read crash
     tile = load_tile(codes, [0.5] * 4, [1.0] * 4, [0, far], [0, far], [1, 0], bits, per_channel, 4)
-    print(tile[:, :4].tolist(), flush=True)
+    print(in_channel_order(tile, 4), flush=True)
 """
 FAR_KINDS = [(8, False), (4, False), (8, True), (4, True)]
 

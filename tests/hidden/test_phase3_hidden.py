@@ -259,7 +259,7 @@ def draw_codes(rng, limit: int = 16) -> torch.Tensor:
 
 
 @seeded
-def test_part2_byte_i_holds_code_2i_low_and_code_2i_plus_1_high(rng):
+def test_part2_byte_i_holds_code_i_low_and_code_n_plus_i_high(rng):
     for _ in range(5):
         codes = draw_codes(rng)
         packed = pack_int4(codes)
@@ -269,12 +269,13 @@ def test_part2_byte_i_holds_code_2i_low_and_code_2i_plus_1_high(rng):
             f"{packed.dtype} {list(packed.shape)}"
         )
         flat = codes.reshape(-1, codes.shape[-1]).tolist()
-        want = [[row[2 * i] | (row[2 * i + 1] << 4) for i in range(len(row) // 2)] for row in flat]
+        half = codes.shape[-1] // 2
+        want = [[row[i] | (row[half + i] << 4) for i in range(half)] for row in flat]
         got = packed.reshape(-1, packed.shape[-1]).tolist()
         assert got == want, (
-            "byte i = c[2i] | (c[2i + 1] << 4): the even code in the low nibble, the odd one in "
-            f"the high nibble; codes {flat[0]} pack to {[hex(b) for b in want[0]]}, got "
-            f"{[hex(b) for b in got[0]]}"
+            "of 2n codes, byte i = c[i] | (c[n + i] << 4): the first half in the low nibbles, "
+            f"the second in the high ones; codes {flat[0]} pack to {[hex(b) for b in want[0]]}, "
+            f"got {[hex(b) for b in got[0]]}"
         )
 
 
@@ -286,10 +287,10 @@ def test_part2_unpack_reads_the_same_order_and_inverts_pack(rng):
         packed = packed.to(torch.uint8)
         codes = unpack_int4(packed)
         flat = packed.reshape(-1, packed.shape[-1]).tolist()
-        want = [[c for b in row for c in (b & 0x0F, b >> 4)] for row in flat]
+        want = [[b & 0x0F for b in row] + [b >> 4 for b in row] for row in flat]
         got = codes.reshape(-1, codes.shape[-1]).tolist()
         assert codes.dtype == torch.uint8 and got == want, (
-            f"unpack_int4: each byte gives its low nibble, then its high nibble; bytes "
+            f"unpack_int4: every byte's low nibble, then every byte's high nibble; bytes "
             f"{[hex(b) for b in flat[0]]} give {want[0]}, got {got[0]} ({codes.dtype})"
         )
         assert list(codes.shape) == [*shape, 2 * packed.shape[-1]]
@@ -521,7 +522,12 @@ def new_cache(layout: dict, fill: torch.Generator | None = None) -> QuantizedCac
 def slot_values(cache: QuantizedCache, slot: int) -> list[float]:
     """A slot's values from the planes, float64 Python arithmetic: ``[heads * dim]``."""
     flat = cache.codes.reshape(-1, cache.codes.shape[2] * cache.codes.shape[3])[slot].tolist()
-    codes = flat if cache.bits == 8 else [c for byte in flat for c in (byte & 15, byte >> 4)]
+    if cache.bits == 4:  # each head's bytes: its first half low, its second half high
+        heads = [
+            flat[i : i + cache.codes.shape[3]] for i in range(0, len(flat), cache.codes.shape[3])
+        ]
+        flat = [c for row in heads for c in [b & 15 for b in row] + [b >> 4 for b in row]]
+    codes = flat
     groups = cache.scale.shape[2]
     scales = cache.scale.reshape(-1, groups)[slot].double().tolist()
     zeros = cache.zero.reshape(-1, groups)[slot].double().tolist()
@@ -764,7 +770,7 @@ def test_part6_dequantize_blocks_reads_codes_or_the_residual(rng):
     got = quantized_kernels.dequantize_blocks(keys, torch.tensor(blocks))
     codes = base.codes.long()
     if layout["bits"] == 4:
-        codes = torch.stack((codes & 15, codes >> 4), -1).flatten(-2)
+        codes = torch.cat((codes & 15, codes >> 4), -1)
     for i, block in enumerate(blocks):
         if int(slots[block]) >= 0:
             expected = residual[int(slots[block])].double()
@@ -1053,8 +1059,8 @@ def test_part8_a_real_tokens_padding_channels_are_not_read_either():
         f"head_dim / 2 bytes). {child.stderr.strip()[-300:]}"
     )
     for (bits, per_channel), row in zip(kinds, lines[1::2], strict=True):
-        code = 17 if bits == 8 else 1
-        assert row == str([code * 0.5 + 1.0] * 6 + [0.0] * 10), (
+        real = [(17 if bits == 8 else 1) * 0.5 + 1.0] * 3
+        assert row == str((real + [0.0] * 5) * 2), (
             f"INT{bits}{' per channel' if per_channel else ''}: got {row}"
         )
 
@@ -1066,14 +1072,22 @@ def _tile_kernel(
     HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     tokens = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
+    lanes = tl.arange(0, BLOCK_D // 2)  # the halves side by side in out: lane j, BLOCK_D/2 + j
     rows_at = tl.load(rows_ptr + tokens).to(tl.int64)
     scales_at = tl.load(scales_ptr + tokens).to(tl.int64)
-    mask = (tl.load(valid_ptr + tokens) != 0)[:, None] & (dims < HEAD_DIM)[None, :]
-    tile = load_dequantized(
-        codes_ptr, scale_ptr, zero_ptr, rows_at, scales_at, dims, mask, BITS, PER_CHANNEL, HEAD_DIM
+    mask = (tl.load(valid_ptr + tokens) != 0)[:, None] & (lanes < HEAD_DIM // 2)[None, :]
+    first, second = load_dequantized(
+        codes_ptr, scale_ptr, zero_ptr, rows_at, scales_at, lanes, mask, BITS, PER_CHANNEL, HEAD_DIM
     )
-    tl.store(out_ptr + tokens[:, None] * BLOCK_D + dims[None, :], tile)
+    at = out_ptr + tokens[:, None] * BLOCK_D + lanes[None, :]
+    tl.store(at, first)
+    tl.store(at + BLOCK_D // 2, second)
+
+
+def channel_at(lane: int, block_d: int, head_dim: int) -> int | None:
+    """The channel ``_tile_kernel`` writes at ``lane`` of a row of ``out`` (None: padding)."""
+    half, j = divmod(lane, block_d // 2)
+    return half * head_dim // 2 + j if j < head_dim // 2 else None
 
 
 @seeded
@@ -1109,15 +1123,17 @@ def test_part8_drawn_tiles_are_read_lane_by_lane(rng):
         got = out.cpu().double()
         for t in range(tokens):
             row = codes[picked[t] * width : (picked[t] + 1) * width]
-            unpacked = row if bits == 8 else [c for b in row for c in (b & 15, b >> 4)]
-            for i in range(block_d):
-                expected = 0.0
-                if valid[t] and i < dim:
+            unpacked = row if bits == 8 else [b & 15 for b in row] + [b >> 4 for b in row]
+            for lane in range(block_d):
+                expected, i = 0.0, channel_at(lane, block_d, dim)
+                if valid[t] and i is not None:
                     at = picked[t] * per_row + (i if per_channel else 0)
                     expected = unpacked[i] * float(scale[at]) + float(zero[at])
-                assert abs(float(got[t, i]) - expected) <= 1e-5 * max(1.0, abs(expected)), (
+                value = float(got[t, lane])
+                assert abs(value - expected) <= 1e-5 * max(1.0, abs(expected)), (
                     f"INT{bits}{' per channel' if per_channel else ''}, head_dim {dim}, scales "
-                    f"in {dtype} (the multiply-add in float32): lane "
-                    f"(token {t}, channel {i}) is {float(got[t, i])}, expected {expected} "
-                    f"({'masked: 0.0' if not valid[t] or i >= dim else 'code * scale + zero'})"
+                    f"in {dtype} (the multiply-add in float32): token {t}, lane {lane % 8} of "
+                    f"the {('first', 'second')[lane // 8]} half (channel {i}) is {value}, "
+                    f"expected {expected} "
+                    f"({'code * scale + zero' if valid[t] and i is not None else 'masked: 0.0'})"
                 )
