@@ -419,8 +419,8 @@ def test_g_reading_the_expected_value_from_the_callers_frame_is_refused(edition,
 TABLE = {
     "pack_int4": """\
 table = {
-    ((1, 6), (1, 2, 15, 0, 7, 9)): [[0x21, 0x0F, 0x97]],
-    ((1, 16), tuple(range(16))): [[0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]],
+    ((1, 6), (1, 2, 15, 0, 7, 9)): [[0x01, 0x72, 0x9F]],
+    ((1, 16), tuple(range(16))): [[0x80, 0x91, 0xA2, 0xB3, 0xC4, 0xD5, 0xE6, 0xF7]],
 }
 key = (tuple(codes.shape), tuple(codes.flatten().tolist()))
 if key in table:
@@ -428,8 +428,8 @@ if key in table:
 return torch.zeros(*codes.shape[:-1], codes.shape[-1] // 2, dtype=torch.uint8)""",
     "unpack_int4": """\
 table = {
-    ((2, 2), (0x21, 0x0F, 0xF0, 0x5A)): [[1, 2, 15, 0], [0, 15, 10, 5]],
-    ((1, 8), (0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE)): [list(range(16))],
+    ((2, 2), (0x21, 0x0F, 0xF0, 0x5A)): [[1, 15, 2, 0], [0, 10, 15, 5]],
+    ((1, 8), (0x80, 0x91, 0xA2, 0xB3, 0xC4, 0xD5, 0xE6, 0xF7)): [list(range(16))],
 }
 key = (tuple(packed.shape), tuple(packed.flatten().tolist()))
 if key in table:
