@@ -136,6 +136,35 @@ def test_paged_decode_matches_dense_attention(
     assert_within_rounding(got, expected, dtype, weighted_abs if backend == "triton" else None)
 
 
+@pytest.mark.parametrize("head_dim", [40, 8])
+def test_a_head_dim_that_leaves_padding_lanes_in_each_half(head_dim):
+    """The kernels split ``head_dim`` in two halves of ``BLOCK_D / 2`` lanes: 40 channels are
+    halves of 20 in 32 lanes, 8 are halves of 4 in 16."""
+    lengths, group, scale = [5, 19], 2, head_dim**-0.5
+    k_cache, v_cache, tables, dense = build_cache(
+        lengths, 2, head_dim, 4, torch.float32, KERNEL_DEVICE
+    )
+    query = torch.randn(2, 4, head_dim, generator=torch.Generator().manual_seed(3))
+    context = torch.tensor(lengths, dtype=torch.int32, device=KERNEL_DEVICE)
+    got = triton_attention.paged_decode_attention(
+        query.to(KERNEL_DEVICE), k_cache, v_cache, tables, context, scale
+    )
+    assert_within_rounding(got, dense_decode(query, dense, group, scale), torch.float32)
+
+
+def test_an_odd_head_dim_is_refused():
+    cache = torch.zeros(2, 4, 2, 5, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="even, got 5"):
+        triton_attention.paged_decode_attention(
+            torch.zeros(1, 2, 5, device=KERNEL_DEVICE),
+            cache,
+            cache,
+            torch.zeros(1, 1, dtype=torch.int32, device=KERNEL_DEVICE),
+            torch.ones(1, dtype=torch.int32, device=KERNEL_DEVICE),
+            1.0,
+        )
+
+
 def test_paged_decode_rejects_heads_that_do_not_group():
     cache = torch.zeros(2, 4, 3, 32, device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match="group"):

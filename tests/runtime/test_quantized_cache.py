@@ -33,9 +33,14 @@ PLANES = ("codes", "key scale", "key zero", "value scale", "value zero")
 
 
 def quantized_engine(
-    bits: int, device: str, blocks: int = 6, cpu_blocks: int = 4, group: str = "head"
+    bits: int,
+    device: str,
+    blocks: int = 6,
+    cpu_blocks: int = 4,
+    group: str = "head",
+    dim: int = DIM,
 ) -> CacheEngine:
-    shape = CacheShape(2, BLOCK, HEADS, DIM, torch.float32, f"int{bits}", quant_group=group)
+    shape = CacheShape(2, BLOCK, HEADS, dim, torch.float32, f"int{bits}", quant_group=group)
     return CacheEngine(shape, blocks, cpu_blocks, torch.device(device))
 
 
@@ -135,11 +140,12 @@ def assert_triton_reads_as_the_reference(caches, tables: list, lengths: list[int
     reference."""
     tables = torch.tensor(tables, dtype=torch.int32, device=KERNEL_DEVICE)
     lengths = torch.tensor(lengths, dtype=torch.int32, device=KERNEL_DEVICE)
-    query, scale = torch.randn(2, 4, DIM, device=KERNEL_DEVICE), DIM**-0.5
+    dim = caches[0].codes.shape[-1] * 8 // caches[0].bits
+    query, scale = torch.randn(2, 4, dim, device=KERNEL_DEVICE), dim**-0.5
     expected = reference.paged_decode_attention(query, *caches, tables, lengths, scale)
     got = triton_attention.paged_decode_attention(query, *caches, tables, lengths, scale)
     assert torch.allclose(got, expected, atol=2e-5), "decode: triton against the reference"
-    rows = torch.randn(5, 4, DIM, device=KERNEL_DEVICE)
+    rows = torch.randn(5, 4, dim, device=KERNEL_DEVICE)
     cu_seqlens = torch.tensor([0, 3, 5], dtype=torch.int32, device=KERNEL_DEVICE)
     expected = reference.paged_prefill_attention(rows, *caches, cu_seqlens, tables, lengths, scale)
     got = triton_attention.paged_prefill_attention(
@@ -148,15 +154,21 @@ def assert_triton_reads_as_the_reference(caches, tables: list, lengths: list[int
     assert torch.allclose(got, expected, atol=2e-5), "prefill: triton against the reference"
 
 
-@pytest.mark.parametrize("group", ["head", "token"])
+@pytest.mark.parametrize(
+    ("group", "dim"),
+    [("head", DIM), ("token", DIM), ("head", 32), ("token", 40)],
+    ids=["head", "token", "head-full-halves", "token-dim-40"],
+)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_the_triton_kernels_store_and_read_what_the_reference_does(bits, group):
-    """Triton quantizes on store and dequantizes on load (on a CPU under the interpreter)."""
+def test_the_triton_kernels_store_and_read_what_the_reference_does(bits, group, dim):
+    """Triton quantizes on store and dequantizes on load (on a CPU under the interpreter). The
+    kernels split a head's channels in halves of ``BLOCK_D / 2`` lanes: 8 channels leave lanes
+    4..15 of each half as padding, 32 fill both halves (no padding lane), 40 leave 12."""
     torch.manual_seed(10 + bits)
-    ours = quantized_engine(bits, KERNEL_DEVICE, blocks=8, group=group)
-    theirs = quantized_engine(bits, KERNEL_DEVICE, blocks=8, group=group)
-    keys = torch.randn(20, HEADS, DIM, device=KERNEL_DEVICE) * 2
-    values = torch.randn(20, HEADS, DIM, device=KERNEL_DEVICE)
+    ours = quantized_engine(bits, KERNEL_DEVICE, blocks=8, group=group, dim=dim)
+    theirs = quantized_engine(bits, KERNEL_DEVICE, blocks=8, group=group, dim=dim)
+    keys = torch.randn(20, HEADS, dim, device=KERNEL_DEVICE) * 2
+    values = torch.randn(20, HEADS, dim, device=KERNEL_DEVICE)
     slots = torch.tensor([*range(19), -1], device=KERNEL_DEVICE)
     reference.store_kvcache(keys, values, *theirs.layer(1), slots)
     triton_attention.store_kvcache(keys, values, *ours.layer(1), slots)
