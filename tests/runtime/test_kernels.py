@@ -152,24 +152,16 @@ def test_a_head_dim_that_leaves_padding_lanes_in_each_half(head_dim):
     assert_within_rounding(got, dense_decode(query, dense, group, scale), torch.float32)
 
 
-def test_an_odd_head_dim_is_refused():
-    cache = torch.zeros(2, 4, 2, 5, device=KERNEL_DEVICE)
-    with pytest.raises(ValueError, match="even, got 5"):
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "said"),
+    [(4, 3, 32, "do not group over 3 KV heads"), (2, 2, 5, "must be even, got 5")],
+    ids=["heads-that-do-not-group", "odd-head-dim"],
+)
+def test_paged_decode_refuses_what_the_kernel_cannot_split(num_heads, num_kv_heads, head_dim, said):
+    cache = torch.zeros(2, 4, num_kv_heads, head_dim, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match=said):
         triton_attention.paged_decode_attention(
-            torch.zeros(1, 2, 5, device=KERNEL_DEVICE),
-            cache,
-            cache,
-            torch.zeros(1, 1, dtype=torch.int32, device=KERNEL_DEVICE),
-            torch.ones(1, dtype=torch.int32, device=KERNEL_DEVICE),
-            1.0,
-        )
-
-
-def test_paged_decode_rejects_heads_that_do_not_group():
-    cache = torch.zeros(2, 4, 3, 32, device=KERNEL_DEVICE)
-    with pytest.raises(ValueError, match="group"):
-        triton_attention.paged_decode_attention(
-            torch.zeros(1, 4, 32, device=KERNEL_DEVICE),
+            torch.zeros(1, num_heads, head_dim, device=KERNEL_DEVICE),
             cache,
             cache,
             torch.zeros(1, 1, dtype=torch.int32, device=KERNEL_DEVICE),
