@@ -18,6 +18,14 @@ differ (``DECODE``):
 A decode's row sits at the last position of its context: it sees every cached token, so only
 prefill masks by position (causal), and decode's tiles skip that comparison.
 
+A head's channels are handled in two halves: lane ``j`` of a half tile is channel ``j`` in the
+first half and channel ``head_dim / 2 + j`` in the second. The query, each tile of keys or
+values and the output are two tiles of ``BLOCK_D / 2`` lanes, and each dot product is two
+half-width ones, summed: INT4 codes, packed by halves (``pack_int4``), then split into the two
+tiles with a mask and a shift and nothing to reorder (the SASS loop of an INT4 tile is about a
+quarter shorter than with neighbours packed in a byte and interleaved back into channel order).
+``head_dim`` must be even.
+
 A quantized cache (``QuantizedCache``, Phase 3) goes through the same kernel: a tile loads codes,
 scales and zeros and dequantizes them in registers before the dot products (``_load_rows`` calls
 ``triton_quantized.load_dequantized``, part 3.8), so a quantized block is read as bytes, never
