@@ -236,8 +236,9 @@ def test_part2_unpack_inverts_pack(values):
 
 
 def test_part2_pack_refuses_odd_lengths_and_codes_above_15():
-    with pytest.raises(ValueError, match=r"\beven last dimension, got 3$"):
-        pack_int4(torch.zeros(2, 4, 3, dtype=torch.uint8))
+    for odd in (3, 7):  # packed before the check, 7's halves (3 and 4 codes) raise torch's error
+        with pytest.raises(ValueError, match=rf"\beven last dimension, got {odd}$"):
+            pack_int4(torch.zeros(2, 4, odd, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"^a 4-bit code is at most 15$"):
         pack_int4(torch.tensor([3, 16], dtype=torch.uint8))
 
