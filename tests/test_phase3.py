@@ -1398,9 +1398,11 @@ def _tile_kernel(
     tl.store(at + BLOCK_D // 2, second)
 
 
-def load_tile(codes, scale, zero, rows_at, scales_at, valid, bits, per_channel, head_dim):
-    """``load_dequantized`` on flat planes: its halves side by side, ``[len(rows_at), TILE_D]``
-    (``lane_of`` says where a channel is)."""
+def load_tile(
+    codes, scale, zero, rows_at, scales_at, valid, bits, per_channel, head_dim, planes=torch.float32
+):
+    """``load_dequantized`` on flat planes (scales and zeros in ``planes``): its halves side by
+    side, ``[len(rows_at), TILE_D]`` (``lane_of`` says where a channel is)."""
     n = len(rows_at)
     out = torch.full((n, TILE_D), -7.0, device=DEVICE)  # -7: a lane the function left unset
 
@@ -1410,8 +1412,8 @@ def load_tile(codes, scale, zero, rows_at, scales_at, valid, bits, per_channel, 
     launched(
         _tile_kernel[(1,)],
         flat(codes, torch.uint8),
-        flat(scale, torch.float32),
-        flat(zero, torch.float32),
+        flat(scale, planes),
+        flat(zero, planes),
         flat(rows_at, torch.int64),
         flat(scales_at, torch.int64),
         flat(valid, torch.int32),
@@ -1484,6 +1486,21 @@ def test_part8_an_int4_tile_reads_the_first_half_from_the_low_nibbles():
         "INT4: bytes 0x21 0x43 0xF0 hold the codes 1, 3, 0 (low nibbles: channels 0-2, the "
         "first half) and 2, 4, 15 (high nibbles: channels 3-5, the second half)",
         head_dim=6,
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_part8_the_multiply_add_is_float32_with_16_bit_scales(bits):
+    scale = float(torch.tensor(0.1, dtype=torch.float16))  # 0.0999755859375
+    codes = [200] * 4 if bits == 8 else [0xCC] * 2  # INT4: code 12 in every channel
+    got = load_tile(codes, [0.1], [-3.0], [0], [0], [1], bits, False, 4, planes=torch.float16)
+    code = 200 if bits == 8 else 12
+    assert_tile(
+        got,
+        [[code * scale - 3.0] * 4],
+        f"INT{bits}, scale and zero in float16 (the engine's on a GPU): converted to float32 "
+        f"before the multiply-add, {code} * {scale} - 3 is {code * scale - 3.0}; a 16-bit "
+        "multiply-add rounds it to the nearest float16",
     )
 
 
