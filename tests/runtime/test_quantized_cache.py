@@ -48,7 +48,17 @@ def round_trip(x: torch.Tensor, bits: int, group: str = "head") -> torch.Tensor:
     """Per token: one group per KV head, or (``group="token"``) one for all of a token's."""
     quantizer = Quantizer(bits)
     grouped = x if group == "head" else x.reshape(x.shape[0], 1, -1)
-    return quantizer.dequantize(quantizer.quantize(grouped)).view_as(x)
+    return quantizer.dequantize(quantizer.quantize(grouped, head_dim=x.shape[-1])).view_as(x)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_group_over_a_tokens_heads_dequantizes_to_what_it_quantized(bits):
+    """A token-wide group packs INT4 a head at a time (``quantize(x, head_dim)``, as the store
+    does); ``dequantize`` unpacks it the same way: within half a step of ``x``."""
+    x = torch.randn(6, 1, 3 * DIM) * 3
+    quantized = Quantizer(bits).quantize(x, head_dim=DIM)
+    error = (Quantizer(bits).dequantize(quantized) - x).abs()
+    assert bool((error <= quantized.scale / 2 + 1e-6).all())
 
 
 @pytest.mark.parametrize("group", ["head", "token"])

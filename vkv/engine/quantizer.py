@@ -46,12 +46,14 @@ from vkv.config import GRANULARITIES
 @dataclass(slots=True, frozen=True)
 class QuantizedTensor:
     """Codes (uint8; INT4: two per byte along the last dimension), and one float32 ``scale``
-    and ``zero`` per group, shaped to broadcast against the unpacked codes."""
+    and ``zero`` per group, shaped to broadcast against the unpacked codes. INT4 packs each run
+    of ``head_dim`` codes of the last dimension on its own (None: the whole last dimension)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     bits: int
+    head_dim: int | None = None
 
 
 class Quantizer:
@@ -90,11 +92,15 @@ class Quantizer:
         if self.bits == 4:
             heads = codes.unflatten(-1, (-1, head_dim or codes.shape[-1]))
             codes = pack_int4(heads).flatten(-2)
-        return QuantizedTensor(codes, scale, low, self.bits)
+        return QuantizedTensor(codes, scale, low, self.bits, head_dim)
 
     def dequantize(self, quantized: QuantizedTensor) -> torch.Tensor:
-        """The float32 tensor the codes stand for (given: unpacks INT4, then decodes)."""
-        codes = unpack_int4(quantized.codes) if quantized.bits == 4 else quantized.codes
+        """The float32 tensor the codes stand for (given: unpacks INT4 a head at a time, then
+        decodes)."""
+        codes = quantized.codes
+        if quantized.bits == 4:
+            packed_width = (quantized.head_dim or 2 * codes.shape[-1]) // 2
+            codes = unpack_int4(codes.unflatten(-1, (-1, packed_width))).flatten(-2)
         return _decode(codes, quantized.scale, quantized.zero)
 
     def _check(self, x: torch.Tensor) -> None:
