@@ -140,9 +140,9 @@ def caches(kv_cache_dtype: str, keys: str, block_size: int) -> CacheEngine:
     return CacheEngine(shape, 8, 0, torch.device("cpu"), residual_slots=2)
 
 
-def attention(engine: CacheEngine) -> None:
+def attention(engine: CacheEngine, fold_keys: bool) -> None:
     """A store (but with ``--load``), a decode (both stages) and a prefill over ``engine``'s
-    layer 0."""
+    layer 0 (keys per channel: ``fold_keys``, folded into the query or read per lane)."""
     if not ONLY_LOAD:
         slots = list(range(4))
         engine.plan_step(slots)  # keys per channel: the step's plan, which the layer carries
@@ -152,10 +152,13 @@ def attention(engine: CacheEngine) -> None:
     tables = torch.zeros(2, 3, dtype=torch.int32)
     lengths = torch.tensor([20, 30], dtype=torch.int32)
     query = torch.randn(2, 8, 128, dtype=torch.float16)
-    triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lengths, 0.1)
+    options = {"fold_keys": fold_keys}
+    triton_attention.paged_decode_attention(
+        query, k_cache, v_cache, tables, lengths, 0.1, **options
+    )
     cu_seqlens = torch.tensor([0, 1, 2], dtype=torch.int32)
     triton_attention.paged_prefill_attention(
-        query, k_cache, v_cache, cu_seqlens, tables, lengths, 0.1
+        query, k_cache, v_cache, cu_seqlens, tables, lengths, 0.1, **options
     )
 
 
@@ -184,18 +187,19 @@ def main() -> int:
     args = parser.parse_args()
     SHOW_ANATOMY, ONLY_LOAD = args.anatomy, args.load
     JITFunction.run = compile_launch
-    formats = [] if ONLY_LOAD else [("auto", "per_token", 16)]
+    formats = [] if ONLY_LOAD else [("auto", "per_token", False)]
     for bits in (8, 4):
-        formats.append((f"int{bits}", "per_token", 16))
-        formats.append((f"int{bits}", "per_channel", 16))  # a tile inside a block: folded
-        formats.append((f"int{bits}", "per_channel", 8))  # tiles across blocks: per lane
+        formats.append((f"int{bits}", "per_token", False))
+        formats.append((f"int{bits}", "per_channel", True))  # a tile inside a block: folded
+        formats.append((f"int{bits}", "per_channel", False))  # tiles across blocks: per lane
     skipped = 0
-    for kv_cache_dtype, keys, block_size in formats:
+    for kv_cache_dtype, keys, fold_keys in formats:
         try:
-            attention(caches(kv_cache_dtype, keys, block_size))
+            attention(caches(kv_cache_dtype, keys, 16), fold_keys)
         except NotImplementedError as stub:  # a student's tree: a part not written yet
             skipped += 1
-            print(f"skipped {kv_cache_dtype} {keys}, block {block_size}: {stub}", flush=True)
+            folded = ", folded" if fold_keys else ""
+            print(f"skipped {kv_cache_dtype} {keys}{folded}: {stub}", flush=True)
     if not ONLY_LOAD:
         layer_ops()
     print(

@@ -145,21 +145,23 @@ def assert_same_stores(ours: CacheEngine, theirs: CacheEngine) -> None:
         assert steps <= (1 if name == "codes" else 1e-6), f"{name}: the stores differ by {steps}"
 
 
-def assert_triton_reads_as_the_reference(caches, tables: list, lengths: list[int]) -> None:
-    """Decode and prefill attention over ``caches`` (on ``KERNEL_DEVICE``): Triton against the
-    reference."""
+def assert_triton_reads_as_the_reference(
+    caches, tables: list, lengths: list[int], **options
+) -> None:
+    """Decode and prefill attention over ``caches`` (on ``KERNEL_DEVICE``): Triton, launched
+    with ``options``, against the reference."""
     tables = torch.tensor(tables, dtype=torch.int32, device=KERNEL_DEVICE)
     lengths = torch.tensor(lengths, dtype=torch.int32, device=KERNEL_DEVICE)
     dim = caches[0].codes.shape[-1] * 8 // caches[0].bits
     query, scale = torch.randn(2, 4, dim, device=KERNEL_DEVICE), dim**-0.5
     expected = reference.paged_decode_attention(query, *caches, tables, lengths, scale)
-    got = triton_attention.paged_decode_attention(query, *caches, tables, lengths, scale)
+    got = triton_attention.paged_decode_attention(query, *caches, tables, lengths, scale, **options)
     assert torch.allclose(got, expected, atol=2e-5), "decode: triton against the reference"
     rows = torch.randn(5, 4, dim, device=KERNEL_DEVICE)
     cu_seqlens = torch.tensor([0, 3, 5], dtype=torch.int32, device=KERNEL_DEVICE)
     expected = reference.paged_prefill_attention(rows, *caches, cu_seqlens, tables, lengths, scale)
     got = triton_attention.paged_prefill_attention(
-        rows, *caches, cu_seqlens, tables, lengths, scale
+        rows, *caches, cu_seqlens, tables, lengths, scale, **options
     )
     assert torch.allclose(got, expected, atol=2e-5), "prefill: triton against the reference"
 
@@ -233,7 +235,7 @@ def test_the_engines_step_flag_refuses_on_the_device_for_the_rest_of_the_step():
         ("per_token", "head", 4),
         ("per_channel", "head", 4),
         ("per_token", "token", 4),
-        ("per_channel", "head", 16),  # Triton folds a full block's key scales into the query
+        ("per_channel", "head", 16),  # Triton's tiles of 64 tokens span blocks of 16
     ],
 )
 def test_int8_kv_generates_the_same_tokens_on_both_backends(keys, group, block_size):
@@ -557,9 +559,10 @@ def test_a_nan_key_per_channel_leaves_cache_and_residual_as_they_were(backend, d
 def test_triton_folds_a_blocks_channel_scales_into_the_query_as_the_reference_reads(
     bits, block_size
 ):
-    """Blocks of a multiple of 16 tokens: a tile inside one block, its keys' scales folded into
-    the query (``FOLD_KEYS``: tiles of 16, 16 and 64 here), full blocks and a partial one in the
-    residual, one split or several (a split is whole tiles)."""
+    """Blocks of a multiple of 16 tokens, asked to fold (``fold_keys``): a tile inside one block,
+    its keys' scales folded into the query (``FOLD_KEYS``: tiles of 16, 16 and 64 here), full
+    blocks and a partial one in the residual, one split or several (a split is whole tiles);
+    and the default, each lane its own scale, in tiles across blocks."""
     torch.manual_seed(40 + bits)
     shape = CacheShape(2, block_size, HEADS, DIM, torch.float32, f"int{bits}", "per_channel")
     engine = CacheEngine(shape, 8, 0, torch.device(KERNEL_DEVICE), residual_slots=4)
@@ -571,16 +574,19 @@ def test_triton_folds_a_blocks_channel_scales_into_the_query_as_the_reference_re
     ]
     keys = torch.randn(len(slots), HEADS, DIM, device=KERNEL_DEVICE) * 3
     store(engine, keys, torch.randn_like(keys), slots)
+    assert_triton_reads_as_the_reference(engine.layer(1), tables, lengths, fold_keys=True)
     assert_triton_reads_as_the_reference(engine.layer(1), tables, lengths)
     query = torch.randn(2, 4, DIM, device=KERNEL_DEVICE)
     args = (*engine.layer(0), torch.tensor(tables, device=KERNEL_DEVICE).int())
     args += (torch.tensor(lengths, device=KERNEL_DEVICE).int(), DIM**-0.5)
     expected = reference.paged_decode_attention(query, *args)
     for splits in (2, 5):
-        got = triton_attention.paged_decode_attention(query, *args, num_splits=splits)
+        got = triton_attention.paged_decode_attention(
+            query, *args, num_splits=splits, fold_keys=True
+        )
         assert torch.allclose(got, expected, atol=2e-5), f"{splits} splits"
-    # the launch option the GPU sweep compares it with: every lane its own scale, tiles of 32
-    got = triton_attention.paged_decode_attention(query, *args, block_n=32, fold_keys=False)
+    # the default, at another tile the GPU sweep times: every lane its own scale, tiles of 32
+    got = triton_attention.paged_decode_attention(query, *args, block_n=32)
     assert torch.allclose(got, expected, atol=2e-5), "not folded"
 
 

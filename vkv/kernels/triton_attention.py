@@ -30,11 +30,12 @@ A quantized cache (``QuantizedCache``, Phase 3) goes through the same kernel: a 
 scales and zeros and dequantizes them in registers before the dot products (``_load_rows`` calls
 ``triton_quantized.load_dequantized``, part 3.8), so a quantized block is read as bytes, never
 expanded in memory. Keys per channel have a scale per (block, head, channel), and a partial
-block's keys are read from the residual. Where a tile lies inside one block (``FOLD_KEYS``: the
-block size a multiple of 16, tiles of a power of two that divides it), the block's channel
-scales fold into the query, as KIVI does: ``q · (c ∘ s + z) = (q ∘ s) · c + q · z``. The tile's
-codes then come through ``load_dequantized`` with a unit scale, and its scale and zero rows are
-one load each a tile instead of one a lane. Storing is ``triton_store.py``'s.
+block's keys are read from the residual. Each lane loads its channel's scale and zero, or, asked
+to (``fold_keys``) where a tile can lie inside one block (``FOLD_KEYS``: the block size a
+multiple of 16, tiles of a power of two that divides it), the block's channel scales fold into
+the query, as KIVI does: ``q · (c ∘ s + z) = (q ∘ s) · c + q · z``. The tile's codes then come
+through ``load_dequantized`` with a unit scale, and its scale and zero rows are one load each a
+tile instead of one a lane. Storing is ``triton_store.py``'s.
 
 A split of the context is a whole number of tiles, so that tiles start where blocks do.
 
@@ -444,16 +445,13 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
-    fold_keys: bool = True,
+    fold_keys: bool = False,
 ) -> torch.Tensor:
     """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K;
     by default one per 512 tokens the block tables can reach, at most 16). ``block_n`` (tokens
     a tile), ``num_warps`` and ``num_stages`` (Triton's: warps a program, loads in flight) tune
     the launch on a GPU (``benchmarks/bench_decode_kernel.py --sweep``), and so does
-    ``fold_keys``: keys per channel in blocks of a multiple of 16 tokens fold a block's scales
-    into the query, a tile a block (``FOLD_KEYS``); False reads them as smaller blocks do, each
-    lane its channel's scale and zero, in tiles of ``block_n`` across blocks (fewer instructions
-    a token, more bytes through the caches: which is faster is the GPU's to say).
+    ``fold_keys`` (see ``_launch``: keys per channel read per lane, or folded into the query).
     ``ValueError`` for a tensor on another device than the query (``check_devices``)."""
     check_devices(
         "query",
@@ -517,10 +515,12 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     block_m: int = 16,
     block_n: int = 64,
+    fold_keys: bool = False,
 ) -> torch.Tensor:
     """See ``reference.paged_prefill_attention``. The grid has a program per tile of
     ``block_m`` new tokens of the longest sequence: ``max_query_len`` where the caller knows it
     on the host (the engine does), else read from ``cu_seqlens_q`` (a wait for the GPU).
+    ``block_n`` and ``fold_keys`` as for decode.
     ``ValueError`` for a tensor on another device than the query (``check_devices``)."""
     check_devices(
         "query",
@@ -548,7 +548,7 @@ def paged_prefill_attention(
         rows=max(MIN_DOT, block_m),
         longest=max_query_len,
         num_splits=1,
-        fold_keys=True,
+        fold_keys=fold_keys,
         tuning={},
     )
     return out
@@ -574,8 +574,16 @@ def _launch(
     split), its rows the KV head's query heads) or prefill (a program per (sequence, query head,
     tile of ``rows`` new tokens), as many tiles as the ``longest`` sequence's new tokens fill).
     ``outputs``: the output and log-sum-exp tensors and their strides, as the kernel takes them;
-    ``fold_keys``: whether keys per channel may fold (where their blocks allow); ``tuning``:
-    Triton's launch options (warps, stages)."""
+    ``tuning``: Triton's launch options (warps, stages).
+
+    ``fold_keys``: keys per channel in blocks of a multiple of 16 tokens may fold a block's
+    scales into the query, a tile a block (``FOLD_KEYS``); else (the default) each lane loads
+    its channel's scale and zero, in tiles of ``block_n`` across blocks, as blocks of any size
+    can. Folding reads fewer bytes through the caches, but a tile of one 16-token block pays a
+    tile's softmax and a rescaled query for 16 tokens: by the SASS (``compile_for_gpu.py
+    --anatomy``, ``head_dim`` 128) it issues 206 warp instructions a cached token (INT8; INT4
+    223) against 93 (103) per lane, 116 (125) at 32-token blocks and as many at 64. The GPU
+    sweep times both."""
     caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
     block_size = caches[0].shape[1]
     block_n = max(MIN_DOT, block_n)
