@@ -66,7 +66,9 @@ def run_many(
     A run's value is None when pytest wrote no report: it crashed, or ran past ``timeout``
     seconds (its whole process group is killed then). Each run is one pytest session in one
     process, ``-n 0`` (no pytest-xdist inside it), no cache, Hypothesis not shrinking (pass or
-    fail is all a check needs). ``done(key, seconds)`` is called as each run ends.
+    fail is all a check needs), tracebacks as Python prints them (pytest's own, with source
+    context, took a stubbed tree's run from 10 s to 68 s). ``done(key, seconds)`` is called as
+    each run ends.
     """
     results: dict[Hashable, list[TestResult] | None] = {}
     with tempfile.TemporaryDirectory(prefix="vkv-junit-") as scratch, _Server() as server:
@@ -98,6 +100,7 @@ def _request(run: TestRun, report: Path) -> dict:
         "0",
         "-p",
         "no:cacheprovider",
+        "--tb=native",
         f"--junitxml={report}",
         "-o",
         "junit_family=xunit2",
