@@ -392,9 +392,10 @@ def _test_files(base: Path, assignment: Assignment) -> list[str]:
 
 
 def _pytest_args(files_or_ids: list[str] | tuple[str, ...], *extra: str) -> list[str]:
-    """pytest's options: the grader's own configuration, no conftest, no cache."""
-    options = ["-c", GRADER_INI_NAME, "--rootdir", ".", "--noconftest", "-p", "no:cacheprovider"]
-    return [*options, "-q", *extra, *files_or_ids]
+    """pytest's options: the grader's own configuration, no conftest, no cache, tracebacks as
+    Python prints them (a student sees none, and pytest's own are slow to build)."""
+    options = ["-c", GRADER_INI_NAME, "--rootdir", ".", "--noconftest", "--tb=native"]
+    return [*options, "-p", "no:cacheprovider", "-q", *extra, *files_or_ids]
 
 
 def _collect(
