@@ -152,13 +152,12 @@ def attention(engine: CacheEngine, fold_keys: bool) -> None:
     tables = torch.zeros(2, 3, dtype=torch.int32)
     lengths = torch.tensor([20, 30], dtype=torch.int32)
     query = torch.randn(2, 8, 128, dtype=torch.float16)
-    options = {"fold_keys": fold_keys}
     triton_attention.paged_decode_attention(
-        query, k_cache, v_cache, tables, lengths, 0.1, **options
+        query, k_cache, v_cache, tables, lengths, 0.1, fold_keys=fold_keys
     )
     cu_seqlens = torch.tensor([0, 1, 2], dtype=torch.int32)
     triton_attention.paged_prefill_attention(
-        query, k_cache, v_cache, cu_seqlens, tables, lengths, 0.1, **options
+        query, k_cache, v_cache, cu_seqlens, tables, lengths, 0.1, fold_keys=fold_keys
     )
 
 
