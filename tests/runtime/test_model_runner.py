@@ -12,9 +12,10 @@ from devices import BACKENDS, DEVICES
 from tiny_checkpoints import greedy_by_recompute, paired
 
 from vkv.config import Config
+from vkv.engine import model_runner
 from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.engine.llm_engine import LLMEngine
-from vkv.engine.model_runner import Draw, ModelRunner, draw_tokens, greedy_tokens
+from vkv.engine.model_runner import Draw, ModelRunner, draw_tokens, greedy_tokens, top_p_cut
 from vkv.engine.scheduler import Scheduler
 from vkv.engine.sequence import Sequence
 from vkv.kernels import reference, triton_attention
@@ -208,6 +209,43 @@ def test_seeded_rows_draw_alike_alone_and_in_batches_that_sort_the_vocabulary_or
         alone = draw_tokens(logits, [cuts]) + draw_tokens(logits, [plain])
         assert draw_tokens(logits, [cuts, plain]) == alone, "the top-k candidates sorted"
         assert draw_tokens(logits, [cuts, plain, wide])[:2] == alone, "the vocabulary sorted"
+
+
+def kept_by_top_p(row: list[float], top_p: float) -> list[float]:
+    """The row cut by top-p, by the definition: sorted, most likely first, a token is kept when
+    the probabilities before it sum to at most ``top_p``, and so is every token as likely."""
+    ordered, before, least = sorted(row, reverse=True), 0.0, None
+    for value in ordered:
+        if before > top_p:
+            break
+        least, before = value, before + value
+    return [value if value >= least else 0.0 for value in row]
+
+
+def test_top_p_alone_sorts_the_likeliest_first_on_a_cpu_and_cuts_as_the_whole_sort_does(
+    monkeypatch,
+):
+    """Top-p without top-k: a CPU sorts the 8 likeliest (``TOP_P_CANDIDATES``, 8 here) of 64
+    tokens first, and only a row whose 8 sum to no more than its top-p sorts all 64. Peaked
+    rows (covered), flat ones (not) and a row that does not cut, in one batch: each cut as the
+    definition cuts it."""
+    monkeypatch.setattr(model_runner, "TOP_P_CANDIDATES", 8)
+    sorted_widths = []
+    topk = torch.Tensor.topk
+
+    def counted_topk(self, k, *args, **kwargs):
+        sorted_widths.append((len(self), k))
+        return topk(self, k, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "topk", counted_topk)
+    generator = torch.Generator().manual_seed(3)
+    spreads = torch.tensor([[8.0], [0.1], [6.0], [0.5], [8.0]])  # peaked, flat, ..., no cut
+    probs = (torch.randn(5, 64, generator=generator) * spreads).softmax(-1)
+    top_p = [0.9, 0.5, 0.95, 0.3, 1.0]
+    cut = top_p_cut(probs.clone(), top_p, [0] * 5, lambda values: torch.tensor(values)[:, None])
+    for row, p, got in zip(probs.tolist(), top_p, cut.tolist(), strict=True):
+        assert got == (row if p == 1.0 else kept_by_top_p(row, p))
+    assert sorted_widths == [(5, 8), (2, 64)], "the 8 likeliest of every row, then 2 rows whole"
 
 
 @pytest.mark.parametrize(

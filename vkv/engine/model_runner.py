@@ -49,6 +49,7 @@ from vkv.sampling_params import MAX_SEED, SamplingParams
 from vkv.threads import free_cpus
 
 LOGPROB_FLOOR = -9999.0  # a log-probability that underflows to -inf is reported as this (vLLM)
+TOP_P_CANDIDATES = 1024  # the likeliest tokens a CPU sorts first for a top-p cut (top_p_cut)
 
 
 @dataclass(slots=True, frozen=True)
@@ -355,19 +356,40 @@ def top_p_cut(
     """``probs``, each row cut in place to its most likely tokens whose probabilities before
     them sum to at most ``top_p`` (1: no cut), and to every token as likely as the least likely
     of those (ties are kept whole, as ``top_k`` keeps them: the order of equal values decides
-    nothing). Where every row that cuts also kept its ``top_k`` highest only (0: not cut),
-    their prefix lies among the largest ``max(top_k)``, and only those are sorted, not the
-    vocabulary. ``column`` makes a list, one value a row, a ``[rows, 1]`` tensor beside them."""
+    nothing). ``column`` makes a list, one value a row, a ``[rows, 1]`` tensor beside them.
+
+    The cut is a prefix of the row sorted, so only as much of the row is sorted as the prefix
+    can reach. Where every row that cuts also kept its ``top_k`` highest only (0: not cut), the
+    prefix lies among the largest ``max(top_k)``. Otherwise, on a CPU, where sorting a
+    vocabulary of 150,000 tokens takes milliseconds a row, the ``TOP_P_CANDIDATES`` largest are
+    sorted first: a row whose candidates sum past its ``top_p`` has its prefix among them (the
+    next token's mass before it is over the limit), and only the other rows sort the whole
+    vocabulary. A GPU sorts the vocabulary at once (and asking which rows fell short would make
+    the host wait for it)."""
     cutting = [p < 1.0 for p in top_p]
-    width = probs.shape[-1]
-    if all(k > 0 for k, cuts in zip(top_k, cutting, strict=True) if cuts):
-        width = min(width, max(top_k))
-    ordered = probs.topk(width, -1).values  # sorted, most likely first
-    before = ordered.cumsum(-1) - ordered
     limit = column([p if cuts else float("inf") for p, cuts in zip(top_p, cutting, strict=True)])
-    least = ordered.masked_fill(before > limit, float("inf")).amin(-1, keepdim=True)
-    least = torch.where(column(cutting), least, 0.0)  # a row that does not cut keeps every token
+    cut_rows = column(cutting)
+    vocab = probs.shape[-1]
+    if all(k > 0 for k, cuts in zip(top_k, cutting, strict=True) if cuts):
+        least = least_kept(probs.topk(min(vocab, max(top_k)), -1).values, limit)
+    elif probs.device.type == "cpu" and vocab > TOP_P_CANDIDATES:
+        candidates = probs.topk(TOP_P_CANDIDATES, -1).values
+        least = least_kept(candidates, limit)
+        short = ((candidates.cumsum(-1)[:, -1:] <= limit) & cut_rows).nonzero()[:, 0]
+        if len(short):
+            least[short] = least_kept(probs[short].topk(vocab, -1).values, limit[short])
+    else:
+        least = least_kept(probs.topk(vocab, -1).values, limit)
+    least = torch.where(cut_rows, least, 0.0)  # a row that does not cut keeps every token
     return probs.masked_fill_(probs < least, 0.0)
+
+
+def least_kept(ordered: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Each row's probability of its least likely token whose probabilities before it sum to at
+    most ``limit`` (``[rows, 1]``), from the row's largest probabilities sorted, most likely
+    first."""
+    before = ordered.cumsum(-1) - ordered
+    return ordered.masked_fill(before > limit, float("inf")).amin(-1, keepdim=True)
 
 
 class Draw(NamedTuple):  # a tuple: a step makes one a sequence (a frozen dataclass: twice the time)
