@@ -23,7 +23,8 @@
 # PYTHONPATH; set PYTHON to use another interpreter. Each stage has a time limit. A test file whose imports are missing there (the server's fastapi, the
 # browser tests' selenium, ...) is not run, and OUT/gpu_check.json says which and why, with
 # every figure of the run. Exit status: 0 when every stage ran and no test failed, 1 otherwise,
-# 2 without a CUDA GPU.
+# 2 without a CUDA GPU. With GPU_CHECK_ON_CPU=1 (scripts/gpu_rehearsal.sh), the tests stage
+# alone, on the CPU under the Triton interpreter: the device image's software, rehearsed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu-check}
@@ -32,7 +33,11 @@ PYTHON=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export VKV_GPU_CHECK_OUT=$OUT
 
-if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+WORKERS=8 TESTS_LIMIT=210 ON_CPU=${GPU_CHECK_ON_CPU:-}
+unset GPU_CHECK_ON_CPU  # not for the tests' own runs of this script
+if [ -n "$ON_CPU" ]; then  # scripts/gpu_rehearsal.sh: the tests, interpreted
+    STAGES=tests WORKERS=$(nproc) TESTS_LIMIT=900
+elif ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "gpu_check: no CUDA GPU here ($PYTHON's torch sees none): nothing to check" >&2
     exit 2
 fi
@@ -58,8 +63,8 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...: run it, its output in OUT/NAME
     echo "gpu_check: $name exited $status after $((SECONDS - started)) s" >&2
 }
 
-stage tests 210 "$PYTHON" -m pytest tests/runtime tests/test_phase3.py \
-    tests/hidden/test_phase3_hidden.py -q -n 8 -p no:cacheprovider \
+stage tests "$TESTS_LIMIT" "$PYTHON" -m pytest tests/runtime tests/test_phase3.py \
+    tests/hidden/test_phase3_hidden.py -q -n "$WORKERS" -p no:cacheprovider \
     --continue-on-collection-errors --timeout 150 --junitxml "$OUT/tests.xml"
 stage decode_kernel 60 "$PYTHON" benchmarks/bench_decode_kernel.py --out "$OUT"
 stage decode_sweep 150 "$PYTHON" benchmarks/bench_decode_kernel.py --sweep --out "$OUT"
