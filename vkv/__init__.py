@@ -1,8 +1,8 @@
 """vkv-engine: a small paged-KV LLM inference engine, and an assignment built on it."""
 
-from vkv.threads import prefer_passive_wait
+from vkv.threads import prefer_short_spin
 
-prefer_passive_wait()  # before anything imports torch: see vkv/threads.py
+prefer_short_spin()  # before anything imports torch: see vkv/threads.py
 
 from vkv.sampling_params import SamplingParams  # noqa: E402
 

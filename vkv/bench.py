@@ -30,6 +30,13 @@ given the same weights. On CUDA the run also reports the GPU-busy share of a ful
 step: the kernels' time under ``torch.profiler`` over the steps' wall time (the rest is the
 host launching work, or idle). Every run reports the engine's start-up time (``LLMEngine()``:
 the weights and the KV pool).
+
+On a CPU both run in this process, on the engine's threads (``vkv.threads``: as many as the
+process may use, spinning briefly when they wait, a setting libgomp reads once, so
+transformers' threads wait alike: on an idle machine its default, longer spin runs
+transformers about 10 % faster, and vkv no faster). Before each step vkv runs as many of them
+as have a CPU to themselves at that instant; transformers' runs get every one of them,
+whatever vkv's last step left set.
 """
 
 import random
@@ -294,13 +301,16 @@ def run_e2e(
     )
     hf = transformers_model(engine, path, load_format)
     pad = engine.config.eos_token_id if engine.config.eos_token_id is not None else 0
+    threads = engine.runner.thread_limit  # the engine's; each of its steps may run fewer
     warm_up = Workload(requests.prompts[:2], [4, 4])
     run_vkv(engine, warm_up)
+    torch.set_num_threads(threads)
     run_transformers(hf, warm_up, 2, pad)
 
     vkv_runs, hf_runs = [], []
     for _ in range(repeat):  # interleaved, so that both see the same machine
         vkv_runs.append(run_vkv(engine, requests))
+        torch.set_num_threads(threads)  # not what vkv's last step found free: all of them
         hf_runs.append(run_transformers(hf, requests, hf_batch, pad))
     busy = gpu_busy_share(engine, requests, max_num_seqs)
     ours = min(vkv_runs, key=lambda run: run.seconds)
@@ -332,5 +342,5 @@ def run_e2e(
         identical_completions=sum(a == b for a, b in zip(ours.completions, hf_out, strict=True)),
         hf_batch=hf_batch,
         max_num_seqs=max_num_seqs,
-        threads=torch.get_num_threads(),
+        threads=threads,
     )

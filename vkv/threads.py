@@ -1,19 +1,26 @@
-"""The engine's CPU threads: as many as the CPUs this process may use, asleep when they wait.
+"""The engine's CPU threads: as many as the CPUs this process may use, briefly spinning, then
+asleep, when they wait.
 
 On a CPU, PyTorch's ops and the C decode-attention loop share one OpenMP thread pool (the
 libgomp that PyPI's torch loads). Two settings decide how the engine fares on a machine that
 other programs share (a lab machine, a laptop with a browser open, a CI runner):
 
 - **How a thread waits** at the end of a parallel region for the others. By default libgomp
-  spins for a while before it sleeps. On idle cores that saves a wake-up; beside busy
-  processes it burns the time slice that the late thread needs, and every step pays it at
-  each of its hundreds of barriers: beside 4 busy loops on 2 cores, ``vkv demo --no-live``
-  took 7.6 times its idle time and the vkv side of ``vkv bench e2e`` 16 times
+  spins for a long while (300,000 rounds) before it sleeps. On idle cores that saves a
+  wake-up; beside busy processes it burns the time slice that the late thread needs, and every
+  step pays it at each of its hundreds of barriers: beside 4 busy loops on 2 cores, ``vkv demo
+  --no-live`` took 7.6 times its idle time and the vkv side of ``vkv bench e2e`` 16 times
   (``benchmarks/bench_busy.py``), where a CPU-bound program should take about 2.5 to 3 times.
-  ``OMP_WAIT_POLICY=PASSIVE`` puts a waiting thread to sleep at once (2.6 and 3.5 times). libgomp
-  reads it once, when it is loaded, that is when torch is first imported: ``vkv/__init__.py``
-  calls ``prefer_passive_wait`` before anything of vkv imports torch. A value already in the
-  environment is kept, so ``OMP_WAIT_POLICY=ACTIVE vkv ...`` restores the spinning.
+  Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``) cured that, but then every parallel region
+  wakes its threads through the kernel, and a step runs hundreds of regions microseconds
+  apart: on an idle machine the e2e side took 1.15 times as long as with a short spin, and
+  beside the busy loops it was no faster. So ``import vkv`` asks for a short spin,
+  ``GOMP_SPINCOUNT=1000`` (``prefer_short_spin``; measured 2026-12-06, e2e side idle 3.08 s
+  against 3.54 s passive and 3.40 s with the long default, whose spinning threads also make
+  ``free_cpus`` below count the engine's own threads as others'). libgomp reads it once, when
+  it is loaded, that is when torch is first imported: ``vkv/__init__.py`` calls it before
+  anything of vkv imports torch. A choice already in the environment (``OMP_WAIT_POLICY`` or
+  ``GOMP_SPINCOUNT``) is kept, so ``OMP_WAIT_POLICY=PASSIVE vkv ...`` sleeps at once.
 - **How many threads**: no more than the CPUs this process may use (``usable_cpus``: its CPU
   affinity, which ``taskset`` and a container's CPU set narrow, and a cgroup's CPU quota), never
   the machine's whole count. ``LLMEngine`` lowers torch's thread count to it on a CPU.
@@ -32,15 +39,18 @@ import os
 from pathlib import Path
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max ..."
+SPIN_COUNT = 1000  # rounds a waiting OpenMP thread spins before it sleeps (libgomp: 300,000)
 LOADAVG = Path("/proc/loadavg")  # its fourth field: "<runnable>/<all>" tasks, at this instant
 
 
-def prefer_passive_wait() -> None:
-    """Ask OpenMP to put waiting threads to sleep, unless ``OMP_WAIT_POLICY`` is already set.
+def prefer_short_spin() -> None:
+    """Ask OpenMP for a short spin before a waiting thread sleeps, unless the environment
+    already chose how threads wait (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``).
 
     Takes effect only before torch is first imported in this process (and in the processes it
     starts, which inherit the environment)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
 
 
 def usable_cpus() -> int:

@@ -21,13 +21,15 @@ import vkv, torch
 from vkv.engine.llm_engine import LLMEngine
 torch.set_num_threads(4)  # as many as a machine's cores, more than this process may use
 LLMEngine(num_gpu_blocks=8, max_model_len=64, device="cpu")
-print(json.dumps({"policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}))
+waits = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+print(json.dumps({**waits, "threads": torch.get_num_threads()}))
 """
 
 
 def probe(**environment: str) -> dict:
     """What a fresh process pinned to one CPU sees after ``import vkv`` and an engine."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    chosen = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in chosen}
     done = subprocess.run(
         [sys.executable, "-c", PROBE],
         env={**env, **environment},
@@ -40,15 +42,27 @@ def probe(**environment: str) -> dict:
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
-def test_importing_vkv_asks_for_sleeping_waits_and_an_engine_uses_only_its_cpus():
+def test_importing_vkv_asks_for_a_short_spin_and_an_engine_uses_only_its_cpus():
     seen = probe()
-    assert seen["policy"] == "PASSIVE", "vkv sets OMP_WAIT_POLICY before torch is imported"
+    assert seen["GOMP_SPINCOUNT"] == str(threads.SPIN_COUNT), "set before torch is imported"
+    assert seen["OMP_WAIT_POLICY"] is None, "libgomp's policy, with a shorter spin"
     assert seen["threads"] == 1, f"pinned to one CPU, the engine ran {seen['threads']} threads"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
-def test_a_wait_policy_the_user_chose_is_kept():
-    assert probe(OMP_WAIT_POLICY="ACTIVE")["policy"] == "ACTIVE"
+@pytest.mark.parametrize(
+    ("chosen", "kept"),
+    [
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": None}),
+        ({"GOMP_SPINCOUNT": "50"}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "50"}),
+    ],
+    ids=["passive", "active", "spin count"],
+)
+def test_how_the_user_chose_threads_to_wait_is_kept(chosen, kept):
+    """A spin count would override a chosen policy's (libgomp reads both): none is added."""
+    seen = probe(**chosen)
+    assert {name: seen[name] for name in kept} == kept
 
 
 @pytest.mark.parametrize(

@@ -151,6 +151,31 @@ def test_bench_e2e_compares_like_with_like():
     assert result.speedup_min <= result.speedup_median <= result.speedup_max
 
 
+def test_bench_e2e_gives_transformers_every_thread_whatever_vkvs_last_step_ran(monkeypatch):
+    """vkv's steps run only the threads that find a CPU free (one, here); each transformers run
+    gets the engine's whole limit (two), and the result reports the limit."""
+    from vkv import bench
+    from vkv.engine import llm_engine, model_runner
+
+    monkeypatch.setattr(llm_engine, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(model_runner, "free_cpus", lambda limit: 1)
+    seen = []
+
+    def counted(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return run_transformers(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_transformers", counted)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result = run_e2e(num_requests=2, prompt_lens=(4, 8), output_lens=(2, 4), repeat=2)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2, 2, 2], "the warm-up and both rounds"
+    assert result.threads == 2 and result.identical_completions == 2
+
+
 def test_both_sides_of_the_benchmark_generate_past_eos(device):
     engine = LLMEngine(max_num_seqs=4, device=device, dtype=EXACT_DTYPE)
     workload = Workload.mixed(lambda text: list(text.encode()), 4, (8, 24), (20, 30))
