@@ -14,7 +14,7 @@ other programs share (a lab machine, a laptop with a browser open, a CI runner):
   Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``) cured that, but then every parallel region
   wakes its threads through the kernel, and a step runs hundreds of regions microseconds
   apart: on an idle machine the e2e side took 1.15 times as long as with a short spin, and
-  beside the busy loops it was no faster. So ``import vkv`` asks for a short spin,
+  beside the busy loops longer too. So ``import vkv`` asks for a short spin,
   ``GOMP_SPINCOUNT=1000`` (``prefer_short_spin``; measured 2026-12-06, e2e side idle 3.08 s
   against 3.54 s passive and 3.40 s with the long default, whose spinning threads also make
   ``free_cpus`` below count the engine's own threads as others'). libgomp reads it once, when
