@@ -9,7 +9,8 @@
 # fastapi, openai, selenium or jsonschema. This script builds a virtual environment with those
 # versions (uv, from the package registry) and runs, in it:
 #
-# 1. scripts/compile_for_gpu.py: every Triton launch compiled for sm_90 by the image's Triton;
+# 1. scripts/compile_for_gpu.py: every Triton launch compiled for sm_90 by the image's Triton
+#    (OUT/compile.log);
 # 2. gpu_check.sh's tests stage (GPU_CHECK_ON_CPU=1): the same tests, on the CPU under the
 #    Triton interpreter, summarized as on the GPU (files whose imports are missing: not run).
 #
@@ -28,6 +29,10 @@ IMAGE_PACKAGES=(
 )
 uv venv -q --allow-existing -p "${IMAGE_PYTHON:-3.12}" "$ENV" || exit 1
 VIRTUAL_ENV=$ENV uv pip install -q "${IMAGE_PACKAGES[@]}" || exit 1
-echo "gpu_rehearsal: compile_for_gpu.py with $("$ENV/bin/python" -c 'import triton; print("Triton", triton.__version__)')" >&2
-PYTHONPATH=$PWD "$ENV/bin/python" scripts/compile_for_gpu.py | tail -1 || exit $?
+mkdir -p "$OUT"
+echo "gpu_rehearsal: compile_for_gpu.py with $("$ENV/bin/python" -c 'import triton; print("Triton", triton.__version__)') (log: $OUT/compile.log)" >&2
+PYTHONPATH=$PWD "$ENV/bin/python" scripts/compile_for_gpu.py >"$OUT/compile.log" 2>&1
+status=$?
+tail -1 "$OUT/compile.log"
+[ "$status" = 0 ] || exit "$status"
 GPU_CHECK_ON_CPU=1 PYTHON=$ENV/bin/python scripts/gpu_check.sh "$OUT"
