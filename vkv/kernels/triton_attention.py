@@ -46,6 +46,7 @@ softmax and the weighted sum are float32 whatever the query's dtype.
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -58,6 +59,8 @@ from vkv.kernels.triton_store import check_devices, store_kvcache
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kvcache"]
 
 MIN_DOT = 16
+# under the interpreter no PTX runs: _split_bytes and _split_nibbles take their Triton branch
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 UNQUANTIZED = 16  # the kernels' BITS for a cache of values
 
 
@@ -110,6 +113,8 @@ def _attention_kernel(
     BITS: tl.constexpr,
     KEYS_PER_CHANNEL: tl.constexpr,
     FOLD_KEYS: tl.constexpr,
+    FOLD_SCALES: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """``BLOCK_M`` query rows of sequence ``program_id(0)`` against one KV head. Each row is a
@@ -152,6 +157,15 @@ def _attention_kernel(
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc_first = tl.zeros([BLOCK_M, BLOCK_D // 2], tl.float32)
     acc_second = tl.zeros([BLOCK_M, BLOCK_D // 2], tl.float32)
+    if FOLD_SCALES:  # four quarters (_code_quarters), the query scaled to suit CODE_DTYPE
+        q_row = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
+        q_fe, q_fo, q_se, q_so, q_unit, q_sum = _query_quarters(
+            q_row, row_mask, HEAD_DIM, BLOCK_D, CODE_DTYPE
+        )
+        acc_fe = tl.zeros([BLOCK_M, BLOCK_D // 4], tl.float32)
+        acc_fo = tl.zeros([BLOCK_M, BLOCK_D // 4], tl.float32)
+        acc_se = tl.zeros([BLOCK_M, BLOCK_D // 4], tl.float32)
+        acc_so = tl.zeros([BLOCK_M, BLOCK_D // 4], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_table
     for tile in range(start, end, BLOCK_N):
         positions = tile + tl.arange(0, BLOCK_N)
@@ -160,6 +174,7 @@ def _attention_kernel(
         slots = positions % BLOCK_SIZE
         rows_at = blocks * stride_block + slots * stride_slot + kv_head * stride_head
         scales_at = blocks * scale_block + slots * scale_slot + kv_head * scale_head
+        k_scales_at = blocks * k_scale_block + slots * k_scale_slot + kv_head * k_scale_head
         kv_mask = pos_mask[:, None] & lane_mask[None, :]
         if KEYS_PER_CHANNEL:  # a partial block's keys are in the residual, as values
             held = tl.load(residual_slot_ptr + blocks, mask=pos_mask, other=-1).to(tl.int64)
@@ -198,8 +213,18 @@ def _attention_kernel(
             )
             q_zero = q_first.to(tl.float32) * z_first[None, :]
             scores += tl.sum(q_zero + q_second.to(tl.float32) * z_second[None, :], 1)[:, None]
+        elif FOLD_SCALES and not KEYS_PER_CHANNEL:  # per token: s (q · c) + z Σq
+            k_fe, k_fo, k_se, k_so = _code_quarters(
+                k_ptr, rows_at, pos_mask, BITS, HEAD_DIM, BLOCK_D, CODE_DTYPE
+            )
+            k_scale = tl.load(k_scale_ptr + k_scales_at, mask=pos_mask, other=0.0).to(tl.float32)
+            k_zero = tl.load(k_zero_ptr + k_scales_at, mask=pos_mask, other=0.0).to(tl.float32)
+            scores = tl.dot(q_fe, tl.trans(k_fe), input_precision=PRECISION)
+            scores = tl.dot(q_fo, tl.trans(k_fo), scores, input_precision=PRECISION)
+            scores = tl.dot(q_se, tl.trans(k_se), scores, input_precision=PRECISION)
+            scores = tl.dot(q_so, tl.trans(k_so), scores, input_precision=PRECISION)
+            scores = scores * q_unit[:, None] * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
         else:
-            k_scales_at = blocks * k_scale_block + slots * k_scale_slot + kv_head * k_scale_head
             k_first, k_second = _load_rows(
                 k_ptr,
                 k_scale_ptr,
@@ -232,33 +257,52 @@ def _attention_kernel(
         correction = tl.exp(running_max - new_max)
         probs = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, 1)
-        v_first, v_second = _load_rows(
-            v_ptr,
-            v_scale_ptr,
-            v_zero_ptr,
-            rows_at,
-            scales_at,
-            lanes,
-            kv_mask,
-            BITS,
-            False,
-            HEAD_DIM,
-        )
-        probs = probs.to(q_first.dtype)
-        acc_first = tl.dot(
-            probs,
-            v_first.to(q_first.dtype),
-            acc_first * correction[:, None],
-            input_precision=PRECISION,
-        )
-        acc_second = tl.dot(
-            probs,
-            v_second.to(q_first.dtype),
-            acc_second * correction[:, None],
-            input_precision=PRECISION,
-        )
+        if FOLD_SCALES:  # per token: Σ p (c s + z) = (p ∘ s) · c + Σ p z
+            v_scale = tl.load(v_scale_ptr + scales_at, mask=pos_mask, other=0.0).to(tl.float32)
+            v_zero = tl.load(v_zero_ptr + scales_at, mask=pos_mask, other=0.0).to(tl.float32)
+            top = tl.max(v_scale, 0)  # the weights p s / top lie in [0, 1], as probabilities do
+            top = tl.where(top > 0, top, 1.0)
+            weights = (probs * (v_scale * (1.0 / top))[None, :]).to(CODE_DTYPE)
+            shift = tl.sum(probs * v_zero[None, :], 1)[:, None]
+            decay = correction[:, None]
+            v_fe, v_fo, v_se, v_so = _code_quarters(
+                v_ptr, rows_at, pos_mask, BITS, HEAD_DIM, BLOCK_D, CODE_DTYPE
+            )
+            acc_fe = acc_fe * decay + top * tl.dot(weights, v_fe, input_precision=PRECISION) + shift
+            acc_fo = acc_fo * decay + top * tl.dot(weights, v_fo, input_precision=PRECISION) + shift
+            acc_se = acc_se * decay + top * tl.dot(weights, v_se, input_precision=PRECISION) + shift
+            acc_so = acc_so * decay + top * tl.dot(weights, v_so, input_precision=PRECISION) + shift
+        else:
+            v_first, v_second = _load_rows(
+                v_ptr,
+                v_scale_ptr,
+                v_zero_ptr,
+                rows_at,
+                scales_at,
+                lanes,
+                kv_mask,
+                BITS,
+                False,
+                HEAD_DIM,
+            )
+            probs = probs.to(q_first.dtype)
+            acc_first = tl.dot(
+                probs,
+                v_first.to(q_first.dtype),
+                acc_first * correction[:, None],
+                input_precision=PRECISION,
+            )
+            acc_second = tl.dot(
+                probs,
+                v_second.to(q_first.dtype),
+                acc_second * correction[:, None],
+                input_precision=PRECISION,
+            )
         running_max = new_max
 
+    if FOLD_SCALES:  # the quarters back in channel order: even and odd channels alternate
+        acc_first = tl.interleave(acc_fe, acc_fo)
+        acc_second = tl.interleave(acc_se, acc_so)
     has_tokens = running_sum > 0
     safe_sum = tl.where(has_tokens, running_sum, 1.0)
     out_at = (
@@ -276,6 +320,129 @@ def _attention_kernel(
     if DECODE:
         lse = tl.where(has_tokens, running_max + tl.log(safe_sum), float("-inf"))
         tl.store(lse_ptr + seq * stride_lse_t + heads * stride_lse_h + split, lse, mask=row_mask)
+
+
+@triton.jit
+def _query_quarters(q_row, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CODE_DTYPE):
+    """The query's four quarters as ``_code_quarters`` lays out a tile's codes, in
+    ``CODE_DTYPE``; a 16-bit one is the query over ``unit``, a power of two a row that keeps it
+    below float16's largest value (a bfloat16 query may lie above it; the scores are multiplied
+    back); and ``Σq``, each row's sum, in float32."""
+    lanes = tl.arange(0, BLOCK_D // 4)
+    mask = row_mask[:, None] & (lanes < HEAD_DIM // 4)[None, :]
+    at = q_row + 2 * lanes[None, :]
+    fe = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    fo = tl.load(at + 1, mask=mask, other=0.0).to(tl.float32)
+    se = tl.load(at + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    so = tl.load(at + HEAD_DIM // 2 + 1, mask=mask, other=0.0).to(tl.float32)
+    largest = tl.max(
+        tl.maximum(tl.maximum(tl.abs(fe), tl.abs(fo)), tl.maximum(tl.abs(se), tl.abs(so))), 1
+    )
+    if tl.float32 == CODE_DTYPE:
+        unit = largest * 0.0 + 1.0
+    else:
+        unit = tl.exp2(tl.ceil(tl.log2(tl.maximum(largest, 65504.0) / 65504.0)))
+    per_unit = (1.0 / unit)[:, None]
+    return (
+        (fe * per_unit).to(CODE_DTYPE),
+        (fo * per_unit).to(CODE_DTYPE),
+        (se * per_unit).to(CODE_DTYPE),
+        (so * per_unit).to(CODE_DTYPE),
+        unit,
+        tl.sum(fe + fo + se + so, 1),
+    )
+
+
+@triton.jit
+def _code_quarters(
+    codes_ptr,
+    rows_at,
+    tokens,
+    BITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+):
+    """A tile's codes, unscaled, as four ``[BLOCK_N, BLOCK_D / 4]`` quarters of ``CODE_DTYPE``:
+    lane ``p`` holds channel ``2p`` (``fe``), ``2p + 1`` (``fo``), ``HEAD_DIM/2 + 2p`` (``se``)
+    and ``HEAD_DIM/2 + 2p + 1`` (``so``), 0 for a token outside ``tokens`` or a lane past
+    ``HEAD_DIM/4``. The codes are read as 16-bit words, two neighbouring bytes each (INT8: two
+    channels of a half; INT4: four channels, part 3.2's order), so that a tile of values goes
+    into the weighted sum as the tensor cores take it, tokens paired in a register, with no
+    byte gathered alone (an 8-bit operand has no transposing load on an sm_90)."""
+    lanes = tl.arange(0, BLOCK_D // 4)
+    mask = tokens[:, None] & (lanes < HEAD_DIM // 4)[None, :]
+    at = codes_ptr.to(tl.pointer_type(tl.uint16)) + (rows_at // 2)[:, None] + lanes[None, :]
+    words = tl.load(at, mask=mask, other=0)
+    if BITS == 8:
+        fe, fo = _split_bytes(words, CODE_DTYPE)
+        se, so = _split_bytes(tl.load(at + HEAD_DIM // 4, mask=mask, other=0), CODE_DTYPE)
+        return fe, fo, se, so
+    return _split_nibbles(words, CODE_DTYPE)
+
+
+@triton.jit
+def _split_bytes(words, CODE_DTYPE: tl.constexpr):
+    """The low and high bytes of 16-bit words, as numbers of ``CODE_DTYPE``. On a GPU in
+    float16, two words at a time: ``prmt`` puts each byte under float16's exponent of 1,024
+    (the bits ``0x64XX`` are 1,024 + ``XX``), and one subtraction takes 1,024 off both (two
+    instructions for four codes, where a conversion takes one or two for each)."""
+    if INTERPRETED or tl.float32 == CODE_DTYPE:
+        return (words & 0xFF).to(CODE_DTYPE), (words >> 8).to(CODE_DTYPE)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, offset;
+        mov.b32 offset, 0x64006400;
+        prmt.b32 t, $2, 0x64646464, 0x4240;
+        sub.f16x2 $0, t, offset;
+        prmt.b32 t, $2, 0x64646464, 0x4341;
+        sub.f16x2 $1, t, offset;
+        }""",
+        "=r,=r,r",
+        [words],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _split_nibbles(words, CODE_DTYPE: tl.constexpr):
+    """The four nibbles of 16-bit words of INT4 codes packed by halves, as numbers of
+    ``CODE_DTYPE``: bits 0-3 (channel ``2p`` of the first half), 8-11 (``2p + 1``), 4-7 and
+    12-15 (the same channels of the second half). On a GPU as ``_split_bytes``: a byte under
+    float16's 1,024, a mask a nibble (1,024 + low, or 1,024 + 16 · high, which one fused
+    multiply-add brings back)."""
+    if INTERPRETED or tl.float32 == CODE_DTYPE:
+        return (
+            (words & 0xF).to(CODE_DTYPE),
+            ((words >> 8) & 0xF).to(CODE_DTYPE),
+            ((words >> 4) & 0xF).to(CODE_DTYPE),
+            (words >> 12).to(CODE_DTYPE),
+        )
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, n, offset, sixteenth, back;
+        mov.b32 offset, 0x64006400;
+        mov.b32 sixteenth, 0x2C002C00;
+        mov.b32 back, 0xD400D400;
+        prmt.b32 t, $4, 0x64646464, 0x4240;
+        and.b32 n, t, 0xFF0FFF0F;
+        sub.f16x2 $0, n, offset;
+        and.b32 n, t, 0xFFF0FFF0;
+        fma.rn.f16x2 $2, n, sixteenth, back;
+        prmt.b32 t, $4, 0x64646464, 0x4341;
+        and.b32 n, t, 0xFF0FFF0F;
+        sub.f16x2 $1, n, offset;
+        and.b32 n, t, 0xFFF0FFF0;
+        fma.rn.f16x2 $3, n, sixteenth, back;
+        }""",
+        "=r,=r,=r,=r,r",
+        [words],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit
@@ -446,6 +613,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     fold_keys: bool = False,
+    fold_scales: bool = False,
 ) -> torch.Tensor:
     """See ``reference.paged_decode_attention``; ``num_splits`` splits each context (split-K;
     by default one per 512 tokens the block tables can reach, at most 16). ``block_n`` (tokens
@@ -486,6 +654,7 @@ def paged_decode_attention(
         longest=1,
         num_splits=num_splits,
         fold_keys=fold_keys,
+        fold_scales=fold_scales,
         tuning={"num_warps": num_warps, "num_stages": num_stages},
     )
     out = torch.empty_like(query)
@@ -516,6 +685,7 @@ def paged_prefill_attention(
     block_m: int = 16,
     block_n: int = 64,
     fold_keys: bool = False,
+    fold_scales: bool = False,
 ) -> torch.Tensor:
     """See ``reference.paged_prefill_attention``. The grid has a program per tile of
     ``block_m`` new tokens of the longest sequence: ``max_query_len`` where the caller knows it
@@ -549,6 +719,7 @@ def paged_prefill_attention(
         longest=max_query_len,
         num_splits=1,
         fold_keys=fold_keys,
+        fold_scales=fold_scales,
         tuning={},
     )
     return out
@@ -568,6 +739,7 @@ def _launch(
     longest: int,
     num_splits: int,
     fold_keys: bool,
+    fold_scales: bool,
     tuning: dict[str, int],
 ) -> None:
     """Run ``_attention_kernel`` for decode (``rows`` None: a program per (sequence, KV head,
@@ -594,6 +766,8 @@ def _launch(
         unit = torch.zeros(2, dtype=torch.float32, device=query.device)
         unit[0] = 1.0
     num_seqs, num_heads, head_dim = len(context_lens), query.shape[1], query.shape[2]
+    fold_scales = fold_scales and bits != UNQUANTIZED and head_dim % 4 == 0
+    fold_scales = fold_scales and _block_d(head_dim) >= 4 * MIN_DOT
     group = _check_layout(query, caches[0], caches[1])
     if rows is None:
         grid, block_m = (num_seqs, num_heads // group, num_splits), triton.next_power_of_2(group)
@@ -623,6 +797,8 @@ def _launch(
         BITS=bits,
         KEYS_PER_CHANNEL=keys_per_channel,
         FOLD_KEYS=fold_keys,
+        FOLD_SCALES=fold_scales,
+        CODE_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
         # fp32 dots in IEEE precision: TF32 would lose bits that the float32 tests see
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         **tuning,
