@@ -10,12 +10,13 @@ reference (which gathers every block first), and the Triton kernel on the same c
 to INT8 and to INT4 per token and head (Phase 3; fp16 scales and zeros), and with keys per
 channel (KIVI: a scale and zero per block, head and channel; every block full, so none is read
 from the residual), whose bytes read are the codes plus the scales, with its time against
-fp16's. Times are medians of CUDA-event
-timings.
+fp16's; each quantized format also with its per-token scales folded out of the tile
+(``fold_scales``). Times are medians of CUDA-event timings.
 
 ``--sweep`` times the launch options instead (``SWEEP``: tokens a tile, warps, pipeline
 stages; for keys per channel also ``fold_keys``: folded, a tile is one block, so only warps and
-stages; not folded, tiles of every size at the default stages), for each format, and writes
+stages; not folded, tiles of every size at the default stages; for a quantized format also
+``fold_scales``, at the default stages), for each format, and writes
 ``decode_sweep.json`` (after each format, so a run cut short keeps what it timed): the fastest
 options beside the defaults, for the defaults of ``triton_attention.paged_decode_attention``
 to follow.
@@ -89,14 +90,22 @@ def copy_bandwidth() -> float:
 def launches(name: str) -> list[dict]:
     """The launch options a format is timed at: every combination of ``SWEEP``; for keys per
     channel, folded at the one tile a block allows, and not folded at each tile and warps with
-    the default stages (each launch compiles anew: the stage's minutes are few)."""
+    the default stages; a quantized format also with its per-token scales folded (``fold_scales``;
+    keys per channel: the values'), at each tile and warps with the default stages (each launch
+    compiles anew: the stage's minutes are few)."""
     combinations = [dict(zip(SWEEP, o, strict=True)) for o in itertools.product(*SWEEP.values())]
-    if "per channel" not in name:
+    if name == "16-bit":
         return combinations
-    folded = [o | {"fold_keys": True} for o in combinations if o["block_n"] == DEFAULTS["block_n"]]
-    stages = DEFAULTS["num_stages"]
-    unfolded = [o | {"fold_keys": False} for o in combinations if o["num_stages"] == stages]
-    return folded + unfolded
+    at_default_stages = [o for o in combinations if o["num_stages"] == DEFAULTS["num_stages"]]
+    keys = {}
+    if "per channel" in name:
+        keys = {"fold_keys": False}
+        tile = DEFAULTS["block_n"]
+        combinations = [o | {"fold_keys": True} for o in combinations if o["block_n"] == tile]
+        combinations += [o | keys for o in at_default_stages]
+    return [o | {"fold_scales": False} for o in combinations] + [
+        o | keys | {"fold_scales": True} for o in at_default_stages
+    ]
 
 
 def sweep(formats: dict, decode, kv_bytes: dict, save=None) -> list[dict]:
@@ -115,6 +124,7 @@ def sweep(formats: dict, decode, kv_bytes: dict, save=None) -> list[dict]:
                 continue
             timed.append(launch | {"format": name, "ms": ms})
         defaults = DEFAULTS | ({"fold_keys": False} if "per channel" in name else {})
+        defaults |= {} if name == "16-bit" else {"fold_scales": False}
         default = next(row for row in timed if row.items() >= defaults.items())["ms"]
         for row in sorted(timed, key=lambda row: row["ms"]):
             row["gb_per_s"] = kv_bytes[name] / (row["ms"] / 1e3) / 1e9
@@ -135,6 +145,8 @@ def options_text(row: dict) -> str:
     text = f"block_n {row['block_n']}, {row['num_warps']} warps, {row['num_stages']} stages"
     if "fold_keys" in row:
         text += ", keys folded" if row["fold_keys"] else ", keys not folded"
+    if row.get("fold_scales"):
+        text += ", scales folded"
     return text
 
 
@@ -198,11 +210,11 @@ def main() -> int:
     )
     rows.append({"kernel": "torch reference", "ms": ms, "gb_per_s": kv_bytes / (ms / 1e3) / 1e9})
     fp16_ms = rows[0]["ms"]
-    for name, (k, v) in list(formats.items())[1:]:
-        ms = median_ms(lambda k=k, v=v: decode(k, v))
+    for (name, (k, v)), fold in itertools.product(list(formats.items())[1:], (False, True)):
+        ms = median_ms(lambda k=k, v=v, fold=fold: decode(k, v, fold_scales=fold))
         rows.append(
             {
-                "kernel": f"triton, {name}",
+                "kernel": f"triton, {name}" + (", scales folded" if fold else ""),
                 "ms": ms,
                 "gb_per_s": read[name] / (ms / 1e3) / 1e9,
                 "speedup_over_fp16": fp16_ms / ms,

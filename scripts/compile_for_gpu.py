@@ -54,7 +54,7 @@ from vkv.kernels import triton_attention, triton_layer_ops
 
 TARGET = GPUTarget("cuda", 90, 32)  # an H100 or H200: compute capability 9.0, 32-lane warps
 BACKEND = make_backend(TARGET)
-SHOWN = ("DECODE", "BITS", "KEYS_PER_CHANNEL", "FOLD_KEYS", "BLOCK_N", "ADD", "NORM")
+SHOWN = ("DECODE", "BITS", "KEYS_PER_CHANNEL", "FOLD_KEYS", "FOLD_SCALES", "BLOCK_N", "ADD", "NORM")
 SHOW_ANATOMY = False
 ONLY_LOAD = False  # --load: the attention kernel's launches alone
 failures: list[str] = []
@@ -140,9 +140,10 @@ def caches(kv_cache_dtype: str, keys: str, block_size: int) -> CacheEngine:
     return CacheEngine(shape, 8, 0, torch.device("cpu"), residual_slots=2)
 
 
-def attention(engine: CacheEngine, fold_keys: bool) -> None:
+def attention(engine: CacheEngine, fold_keys: bool, fold_scales: bool) -> None:
     """A store (but with ``--load``), a decode (both stages) and a prefill over ``engine``'s
-    layer 0 (keys per channel: ``fold_keys``, folded into the query or read per lane)."""
+    layer 0 (keys per channel: ``fold_keys``, folded into the query or read per lane; a
+    quantized cache: ``fold_scales``, its per-token scales applied to scores and weights)."""
     if not ONLY_LOAD:
         slots = list(range(4))
         engine.plan_step(slots)  # keys per channel: the step's plan, which the layer carries
@@ -153,11 +154,19 @@ def attention(engine: CacheEngine, fold_keys: bool) -> None:
     lengths = torch.tensor([20, 30], dtype=torch.int32)
     query = torch.randn(2, 8, 128, dtype=torch.float16)
     triton_attention.paged_decode_attention(
-        query, k_cache, v_cache, tables, lengths, 0.1, fold_keys=fold_keys
+        query, k_cache, v_cache, tables, lengths, 0.1, fold_keys=fold_keys, fold_scales=fold_scales
     )
     cu_seqlens = torch.tensor([0, 1, 2], dtype=torch.int32)
     triton_attention.paged_prefill_attention(
-        query, k_cache, v_cache, cu_seqlens, tables, lengths, 0.1, fold_keys=fold_keys
+        query,
+        k_cache,
+        v_cache,
+        cu_seqlens,
+        tables,
+        lengths,
+        0.1,
+        fold_keys=fold_keys,
+        fold_scales=fold_scales,
     )
 
 
@@ -186,18 +195,22 @@ def main() -> int:
     args = parser.parse_args()
     SHOW_ANATOMY, ONLY_LOAD = args.anatomy, args.load
     JITFunction.run = compile_launch
-    formats = [] if ONLY_LOAD else [("auto", "per_token", False)]
+    formats = [] if ONLY_LOAD else [("auto", "per_token", False, False)]
     for bits in (8, 4):
-        formats.append((f"int{bits}", "per_token", False))
-        formats.append((f"int{bits}", "per_channel", True))  # a tile inside a block: folded
-        formats.append((f"int{bits}", "per_channel", False))  # tiles across blocks: per lane
+        formats.append((f"int{bits}", "per_token", False, False))
+        formats.append((f"int{bits}", "per_channel", True, False))  # a tile inside a block
+        formats.append((f"int{bits}", "per_channel", False, False))  # tiles across blocks
+        if not ONLY_LOAD:  # per token the load is not called; per channel, as above
+            formats.append((f"int{bits}", "per_token", False, True))
+            formats.append((f"int{bits}", "per_channel", False, True))
     skipped = 0
-    for kv_cache_dtype, keys, fold_keys in formats:
+    for kv_cache_dtype, keys, fold_keys, fold_scales in formats:
         try:
-            attention(caches(kv_cache_dtype, keys, 16), fold_keys)
+            attention(caches(kv_cache_dtype, keys, 16), fold_keys, fold_scales)
         except NotImplementedError as stub:  # a student's tree: a part not written yet
             skipped += 1
-            folded = ", folded" if fold_keys else ""
+            folded = ", keys folded" if fold_keys else ""
+            folded += ", scales folded" if fold_scales else ""
             print(f"skipped {kv_cache_dtype} {keys}{folded}: {stub}", flush=True)
     if not ONLY_LOAD:
         layer_ops()

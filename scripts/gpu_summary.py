@@ -96,10 +96,11 @@ def report(result: dict) -> None:
     for row in (result["decode_sweep"] or {}).get("rows", []):
         best.setdefault(row["format"], row)
     for name, row in best.items():
-        folded = {True: ", keys folded", False: ", keys not folded", None: ""}
+        folded = {True: ", keys folded", False: ", keys not folded", None: ""}[row.get("fold_keys")]
+        folded += ", scales folded" if row.get("fold_scales") else ""
         print(
             f"  {name:>32}: fastest at block_n {row['block_n']}, {row['num_warps']} warps, "
-            f"{row['num_stages']} stages{folded[row.get('fold_keys')]}: {row['ms']:.3f} ms "
+            f"{row['num_stages']} stages{folded}: {row['ms']:.3f} ms "
             f"({row['speedup_over_defaults']:.2f}x the defaults)"
         )
     for name, row in (result["decode_step"] or {}).items():

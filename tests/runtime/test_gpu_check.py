@@ -66,7 +66,7 @@ def test_the_summary_counts_failures_names_files_not_run_and_stages_cut_short(tm
         {"format": "16-bit", "block_n": 64, "num_warps": 4, "num_stages": 3, "ms": 0.36},
         {"format": "int8 KV, keys per channel", "block_n": 64, "num_warps": 4, "num_stages": 3},
     ]
-    swept[2] |= {"fold_keys": False, "ms": 0.18}
+    swept[2] |= {"fold_keys": False, "fold_scales": True, "ms": 0.18}
     for row in swept:
         row["speedup_over_defaults"] = 0.36 / row["ms"]
     (tmp_path / "decode_sweep.json").write_text(json.dumps({"device": "H200", "rows": swept}))
@@ -87,7 +87,10 @@ def test_the_summary_counts_failures_names_files_not_run_and_stages_cut_short(tm
     assert "16-bit: fastest at block_n 32, 8 warps, 2 stages: 0.300 ms (1.20x the defaults)" in (
         printed
     )
-    assert "channel: fastest at block_n 64, 4 warps, 3 stages, keys not folded: 0.180 ms" in printed
+    assert (
+        "channel: fastest at block_n 64, 4 warps, 3 stages, keys not folded, scales folded: 0.180"
+        in printed
+    )
 
 
 def test_a_run_whose_only_trouble_is_a_file_it_cannot_import_is_clean(tmp_path):
