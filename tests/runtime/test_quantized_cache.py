@@ -590,6 +590,59 @@ def test_triton_folds_a_blocks_channel_scales_into_the_query_as_the_reference_re
     assert torch.allclose(got, expected, atol=2e-5), "not folded"
 
 
+def tokens_engine(bits: int, keys: str, dim: int) -> tuple[CacheEngine, list, list[int]]:
+    """A cache of 16-token blocks in ``KERNEL_DEVICE`` holding two sequences (37 and 19 tokens:
+    full blocks and partial ones), its tables and lengths; keys and values off zero."""
+    shape = CacheShape(2, 16, HEADS, dim, torch.float32, f"int{bits}", keys)
+    engine = CacheEngine(shape, 8, 0, torch.device(KERNEL_DEVICE), residual_slots=4)
+    tables, lengths = [[3, 1, 6], [5, 2, -1]], [37, 19]
+    slots = [
+        t[i // 16] * 16 + i % 16 for t, n in zip(tables, lengths, strict=True) for i in range(n)
+    ]
+    keys = torch.randn(len(slots), HEADS, dim, device=KERNEL_DEVICE) * 3 + 1
+    store(engine, keys, torch.randn_like(keys) - 0.5, slots)
+    return engine, tables, lengths
+
+
+@pytest.mark.parametrize("dim", [64, 72], ids=["full-quarters", "padding-lanes"])
+@pytest.mark.parametrize("keys", ["per_token", "per_channel"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_triton_takes_the_per_token_scales_out_of_the_tile_as_the_reference_reads(bits, keys, dim):
+    """``fold_scales``: a tile's codes read as 16-bit words and split into four quarters (each
+    half's even and odd channels), its per-token scales and zeros applied to the scores
+    (``s (q · c) + z Σq``) and to the weights (``(p ∘ s) · c + Σ p z``) instead of to every
+    value: the reference's output, decode (one split and three) and prefill. Keys per channel
+    fold their values' scales only; 72 channels leave padding lanes (18 of a quarter's 32). A
+    float16 query's output (codes and weights in float16) is as near as the unfolded kernel's."""
+    torch.manual_seed(50 + bits)
+    engine, tables, lengths = tokens_engine(bits, keys, dim)
+    assert_triton_reads_as_the_reference(engine.layer(1), tables, lengths, fold_scales=True)
+    query = torch.randn(2, 4, dim, device=KERNEL_DEVICE)
+    args = (*engine.layer(1), torch.tensor(tables, device=KERNEL_DEVICE).int())
+    args += (torch.tensor(lengths, device=KERNEL_DEVICE).int(), dim**-0.5)
+    expected = reference.paged_decode_attention(query, *args)
+    got = triton_attention.paged_decode_attention(query, *args, num_splits=3, fold_scales=True)
+    assert torch.allclose(got, expected, atol=2e-5), "3 splits"
+    for fold in (False, True):
+        got = triton_attention.paged_decode_attention(query.half(), *args, fold_scales=fold)
+        assert torch.allclose(got.float(), expected, atol=5e-3), f"float16, folded: {fold}"
+
+
+@pytest.mark.skipif(KERNEL_DEVICE == "cpu", reason="bfloat16 and PTX: the interpreter runs neither")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_bfloat16_query_past_float16s_range_folds_its_scales_as_it_reads_them(bits):
+    """A GPU folds in float16 (its codes split by PTX); a bfloat16 query larger than float16's
+    largest value (65,504) is scaled down by a power of two a row, and its scores back up."""
+    torch.manual_seed(60 + bits)
+    engine, tables, lengths = tokens_engine(bits, "per_token", 128)
+    query = (torch.randn(2, 4, 128, device=KERNEL_DEVICE) * 2e5).bfloat16()
+    args = (*engine.layer(1), torch.tensor(tables, device=KERNEL_DEVICE).int())
+    args += (torch.tensor(lengths, device=KERNEL_DEVICE).int(), 128**-0.5)
+    expected = reference.paged_decode_attention(query.float(), *args)
+    got = triton_attention.paged_decode_attention(query, *args, fold_scales=True)
+    assert got.isfinite().all() and torch.allclose(got.float(), expected, atol=2e-2)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_swap_preemption_with_keys_per_channel_gives_the_tokens_of_an_ample_pool(bits, device):
     """A swap moves codes, scales and residual rows exactly. (Recompute is not exact with keys
