@@ -37,6 +37,23 @@ the query, as KIVI does: ``q · (c ∘ s + z) = (q ∘ s) · c + q · z``. The t
 through ``load_dequantized`` with a unit scale, and its scale and zero rows are one load each a
 tile instead of one a lane. Storing is ``triton_store.py``'s.
 
+Asked to (``fold_scales``; ``head_dim`` a multiple of 4 above 32), the kernel takes a
+per-token scale and zero out of the tile instead, as the field's INT8 and INT4 kernels do: the
+scores are ``s (q · c) + z Σq`` and the weighted sum ``(p ∘ s) · c + Σ p z``, so a value costs
+no multiply-add and no rounding, only its way from a byte into the dot (keys per channel: the
+values alone). A tile's codes are read as 16-bit words, two neighbouring bytes each, and split
+into four quarters, each half's even and odd channels (``_code_quarters``; the query too, once):
+the values' tile then reaches the tensor cores with tokens paired in a register, as 16 bits do,
+where a byte tile is gathered a byte at a time (an sm_90 has no transposing load of 8-bit
+operands). On a GPU the split is two PTX instructions for four codes, placing each byte under
+float16's exponent of 1,024 and subtracting 1,024 (the interpreter runs the same arithmetic in
+Triton). By the SASS (``compile_for_gpu.py --anatomy``, ``head_dim`` 128, Triton 3.9 / the GPU
+image's 3.6) the decode tile loop issues 48.1 / 50.9 warp instructions a cached token in INT8
+per token against 67.5 / 69.4 unfolded, 51.6 / 54.3 in INT4 against 76.4 / 75.3 (16 bits: 23.2
+/ 25.8), and keys per channel 88.4 / 94.8 against 92.9 / 102.8. Not the default until a GPU
+times it (``bench_decode_kernel.py``, its sweep included): then part 3.8's load is not called
+for per-token caches.
+
 A split of the context is a whole number of tiles, so that tiles start where blocks do.
 
 On a CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, fp32 and fp16;
@@ -619,7 +636,8 @@ def paged_decode_attention(
     by default one per 512 tokens the block tables can reach, at most 16). ``block_n`` (tokens
     a tile), ``num_warps`` and ``num_stages`` (Triton's: warps a program, loads in flight) tune
     the launch on a GPU (``benchmarks/bench_decode_kernel.py --sweep``), and so does
-    ``fold_keys`` (see ``_launch``: keys per channel read per lane, or folded into the query).
+    ``fold_keys`` and ``fold_scales`` (see ``_launch``: keys per channel read per lane, or
+    folded into the query; per-token scales applied to every value, or to scores and weights).
     ``ValueError`` for a tensor on another device than the query (``check_devices``)."""
     check_devices(
         "query",
@@ -690,7 +708,7 @@ def paged_prefill_attention(
     """See ``reference.paged_prefill_attention``. The grid has a program per tile of
     ``block_m`` new tokens of the longest sequence: ``max_query_len`` where the caller knows it
     on the host (the engine does), else read from ``cu_seqlens_q`` (a wait for the GPU).
-    ``block_n`` and ``fold_keys`` as for decode.
+    ``block_n``, ``fold_keys`` and ``fold_scales`` as for decode.
     ``ValueError`` for a tensor on another device than the query (``check_devices``)."""
     check_devices(
         "query",
@@ -755,7 +773,12 @@ def _launch(
     tile's softmax and a rescaled query for 16 tokens: by the SASS (``compile_for_gpu.py
     --anatomy``, ``head_dim`` 128) it issues 206 warp instructions a cached token (INT8; INT4
     223) against 93 (103) per lane, 116 (125) at 32-token blocks and as many at 64. The GPU
-    sweep times both."""
+    sweep times both.
+
+    ``fold_scales``: a quantized cache's per-token scales and zeros (keys per channel: the
+    values') applied to the tile's scores and weights rather than to each value (the module
+    docstring), where ``head_dim`` is a multiple of 4 and its quarters fill a dot (``BLOCK_D /
+    4`` of at least 16 lanes); elsewhere the tile is dequantized value by value."""
     caches, cache_strides, bits, keys_per_channel = _cache_args(k_cache, v_cache)
     block_size = caches[0].shape[1]
     block_n = max(MIN_DOT, block_n)
