@@ -8,7 +8,9 @@
 #    present (the CUDA-graph test and the Triton layer ops among them);
 # 2. decode_kernel: benchmarks/bench_decode_kernel.py, the paged decode kernel's bandwidth,
 #    16-bit and quantized; decode_sweep: the same with --sweep, each format's fastest launch
-#    options (tokens a tile, warps, stages, keys per channel folded or not) against the defaults;
+#    options (tokens a tile, warps, stages, keys per channel folded or not, a quantized
+#    format's per-token scales folded or not) against the defaults (saved after each format:
+#    one cut short keeps the formats before it, 16-bit and per token first);
 # 3. startup: how long LLM() takes to start with vkv-tiny (the bar: 10 s);
 # 4. decode_step: benchmarks/bench_decode_step.py on Qwen3-0.6B's shape (random weights,
 #    nano-vLLM's lengths, 128 requests): 16-bit from CUDA graphs and eager, INT8 and INT4;
