@@ -183,6 +183,8 @@ def _attention_kernel(
         acc_fo = tl.zeros([BLOCK_M, BLOCK_D // 4], tl.float32)
         acc_se = tl.zeros([BLOCK_M, BLOCK_D // 4], tl.float32)
         acc_so = tl.zeros([BLOCK_M, BLOCK_D // 4], tl.float32)
+        zero_sum = tl.zeros([BLOCK_M], tl.float32)  # Σ p z: the same for every channel
+        top = tl.max(zero_sum, 0) + 1e-30  # the largest value scale so far: accs are over it
     table_ptr = block_tables_ptr + seq * stride_table
     for tile in range(start, end, BLOCK_N):
         positions = tile + tl.arange(0, BLOCK_N)
@@ -277,18 +279,18 @@ def _attention_kernel(
         if FOLD_SCALES:  # per token: Σ p (c s + z) = (p ∘ s) · c + Σ p z
             v_scale = tl.load(v_scale_ptr + scales_at, mask=pos_mask, other=0.0).to(tl.float32)
             v_zero = tl.load(v_zero_ptr + scales_at, mask=pos_mask, other=0.0).to(tl.float32)
-            top = tl.max(v_scale, 0)  # the weights p s / top lie in [0, 1], as probabilities do
-            top = tl.where(top > 0, top, 1.0)
-            weights = (probs * (v_scale * (1.0 / top))[None, :]).to(CODE_DTYPE)
-            shift = tl.sum(probs * v_zero[None, :], 1)[:, None]
-            decay = correction[:, None]
+            zero_sum = zero_sum * correction + tl.sum(probs * v_zero[None, :], 1)
+            new_top = tl.maximum(top, tl.max(v_scale, 0))  # weights p s / top: in [0, 1]
+            weights = (probs * (v_scale * (1.0 / new_top))[None, :]).to(CODE_DTYPE)
+            rescale = (correction * (top / new_top))[:, None]
+            top = new_top
             v_fe, v_fo, v_se, v_so = _code_quarters(
                 v_ptr, rows_at, pos_mask, BITS, HEAD_DIM, BLOCK_D, CODE_DTYPE
             )
-            acc_fe = acc_fe * decay + top * tl.dot(weights, v_fe, input_precision=PRECISION) + shift
-            acc_fo = acc_fo * decay + top * tl.dot(weights, v_fo, input_precision=PRECISION) + shift
-            acc_se = acc_se * decay + top * tl.dot(weights, v_se, input_precision=PRECISION) + shift
-            acc_so = acc_so * decay + top * tl.dot(weights, v_so, input_precision=PRECISION) + shift
+            acc_fe = tl.dot(weights, v_fe, acc_fe * rescale, input_precision=PRECISION)
+            acc_fo = tl.dot(weights, v_fo, acc_fo * rescale, input_precision=PRECISION)
+            acc_se = tl.dot(weights, v_se, acc_se * rescale, input_precision=PRECISION)
+            acc_so = tl.dot(weights, v_so, acc_so * rescale, input_precision=PRECISION)
         else:
             v_first, v_second = _load_rows(
                 v_ptr,
@@ -318,8 +320,8 @@ def _attention_kernel(
         running_max = new_max
 
     if FOLD_SCALES:  # the quarters back in channel order: even and odd channels alternate
-        acc_first = tl.interleave(acc_fe, acc_fo)
-        acc_second = tl.interleave(acc_se, acc_so)
+        acc_first = tl.interleave(acc_fe, acc_fo) * top + zero_sum[:, None]
+        acc_second = tl.interleave(acc_se, acc_so) * top + zero_sum[:, None]
     has_tokens = running_sum > 0
     safe_sum = tl.where(has_tokens, running_sum, 1.0)
     out_at = (
