@@ -48,9 +48,10 @@ where a byte tile is gathered a byte at a time (an sm_90 has no transposing load
 operands). On a GPU the split is two PTX instructions for four codes, placing each byte under
 float16's exponent of 1,024 and subtracting 1,024 (the interpreter runs the same arithmetic in
 Triton). By the SASS (``compile_for_gpu.py --anatomy``, ``head_dim`` 128, Triton 3.9 / the GPU
-image's 3.6) the decode tile loop issues 48.1 / 50.9 warp instructions a cached token in INT8
-per token against 67.5 / 69.4 unfolded, 51.6 / 54.3 in INT4 against 76.4 / 75.3 (16 bits: 23.2
-/ 25.8), and keys per channel 88.4 / 94.8 against 92.9 / 102.8. Not the default until a GPU
+image's 3.6) the decode tile loop issues 46.4 / 49.4 warp instructions a cached token in INT8
+per token against 67.5 / 69.4 unfolded, 49.8 / 52.9 in INT4 against 76.4 / 75.3 (16 bits: 23.2
+/ 25.8), and with keys per channel 86.1 / 90.3 against 92.9 / 96.4 (INT8), 92.6 / 96.2 against
+102.8 / 103.8 (INT4). Not the default until a GPU
 times it (``bench_decode_kernel.py``, its sweep included): then part 3.8's load is not called
 for per-token caches.
 
