@@ -37,23 +37,22 @@ the query, as KIVI does: ``q · (c ∘ s + z) = (q ∘ s) · c + q · z``. The t
 through ``load_dequantized`` with a unit scale, and its scale and zero rows are one load each a
 tile instead of one a lane. Storing is ``triton_store.py``'s.
 
-Asked to (``fold_scales``; ``head_dim`` a multiple of 4 above 32), the kernel takes a
-per-token scale and zero out of the tile instead, as the field's INT8 and INT4 kernels do: the
-scores are ``s (q · c) + z Σq`` and the weighted sum ``(p ∘ s) · c + Σ p z``, so a value costs
-no multiply-add and no rounding, only its way from a byte into the dot (keys per channel: the
-values alone). A tile's codes are read as 16-bit words, two neighbouring bytes each, and split
-into four quarters, each half's even and odd channels (``_code_quarters``; the query too, once):
-the values' tile then reaches the tensor cores with tokens paired in a register, as 16 bits do,
-where a byte tile is gathered a byte at a time (an sm_90 has no transposing load of 8-bit
-operands). On a GPU the split is two PTX instructions for four codes, placing each byte under
-float16's exponent of 1,024 and subtracting 1,024 (the interpreter runs the same arithmetic in
+Asked to (``fold_scales``; ``head_dim`` a multiple of 4 above 32), the kernel takes a per-token
+scale and zero out of the tile instead, as the field's INT8 and INT4 kernels do: the scores are ``s
+(q · c) + z Σq`` and the weighted sum ``(p ∘ s) · c + Σ p z``, so a value costs no multiply-add and
+no rounding, only its way from a byte into the dot (keys per channel: the values alone). A tile's
+codes are read as 16-bit words, two neighbouring bytes each, and split into four quarters, each
+half's even and odd channels (``_code_quarters``; the query too, once): the values' tile then
+reaches the tensor cores with tokens paired in a register, as 16 bits do, where a byte tile is
+gathered a byte at a time (an sm_90's ``ldmatrix`` transposes 16-bit elements, not bytes). On a GPU
+the split is PTX, about an instruction a code: a byte permute puts two bytes under float16's
+exponent of 1,024, one subtraction takes 1,024 off both (the interpreter runs the same arithmetic in
 Triton). By the SASS (``compile_for_gpu.py --anatomy``, ``head_dim`` 128, Triton 3.9 / the GPU
-image's 3.6) the decode tile loop issues 46.4 / 49.4 warp instructions a cached token in INT8
-per token against 67.5 / 69.4 unfolded, 49.8 / 52.9 in INT4 against 76.4 / 75.3 (16 bits: 23.2
-/ 25.8), and with keys per channel 86.1 / 90.3 against 92.9 / 96.4 (INT8), 92.6 / 96.2 against
-102.8 / 103.8 (INT4). Not the default until a GPU
-times it (``bench_decode_kernel.py``, its sweep included): then part 3.8's load is not called
-for per-token caches.
+image's 3.6) the decode tile loop issues 46.4 / 49.4 warp instructions a cached token in INT8 per
+token against 67.5 / 69.4 unfolded, 49.8 / 52.9 in INT4 against 76.4 / 75.3 (16 bits: 23.2 / 25.8),
+and with keys per channel 86.1 / 90.3 against 92.9 / 96.4 (INT8), 92.6 / 96.2 against 102.8 / 103.8
+(INT4). Not the default until a GPU times it (``bench_decode_kernel.py``, its sweep included):
+folded, part 3.8's load is not called for a per-token cache.
 
 A split of the context is a whole number of tiles, so that tiles start where blocks do.
 
@@ -185,7 +184,8 @@ def _attention_kernel(
         acc_se = tl.zeros([BLOCK_M, BLOCK_D // 4], tl.float32)
         acc_so = tl.zeros([BLOCK_M, BLOCK_D // 4], tl.float32)
         zero_sum = tl.zeros([BLOCK_M], tl.float32)  # Σ p z: the same for every channel
-        top = tl.max(zero_sum, 0) + 1e-30  # the largest value scale so far: accs are over it
+        top = tl.max(zero_sum, 0) + 1e-30  # a scalar: the largest value scale so far, the
+        # unit of acc_fe .. acc_so (weights over it lie in [0, 1], as probabilities do)
     table_ptr = block_tables_ptr + seq * stride_table
     for tile in range(start, end, BLOCK_N):
         positions = tile + tl.arange(0, BLOCK_N)
@@ -281,7 +281,7 @@ def _attention_kernel(
             v_scale = tl.load(v_scale_ptr + scales_at, mask=pos_mask, other=0.0).to(tl.float32)
             v_zero = tl.load(v_zero_ptr + scales_at, mask=pos_mask, other=0.0).to(tl.float32)
             zero_sum = zero_sum * correction + tl.sum(probs * v_zero[None, :], 1)
-            new_top = tl.maximum(top, tl.max(v_scale, 0))  # weights p s / top: in [0, 1]
+            new_top = tl.maximum(top, tl.max(v_scale, 0))
             weights = (probs * (v_scale * (1.0 / new_top))[None, :]).to(CODE_DTYPE)
             rescale = (correction * (top / new_top))[:, None]
             top = new_top
@@ -389,7 +389,7 @@ def _code_quarters(
     ``HEAD_DIM/4``. The codes are read as 16-bit words, two neighbouring bytes each (INT8: two
     channels of a half; INT4: four channels, part 3.2's order), so that a tile of values goes
     into the weighted sum as the tensor cores take it, tokens paired in a register, with no
-    byte gathered alone (an 8-bit operand has no transposing load on an sm_90)."""
+    byte gathered alone (an sm_90's ``ldmatrix`` transposes 16-bit elements, not bytes)."""
     lanes = tl.arange(0, BLOCK_D // 4)
     mask = tokens[:, None] & (lanes < HEAD_DIM // 4)[None, :]
     at = codes_ptr.to(tl.pointer_type(tl.uint16)) + (rows_at // 2)[:, None] + lanes[None, :]
@@ -404,9 +404,9 @@ def _code_quarters(
 @triton.jit
 def _split_bytes(words, CODE_DTYPE: tl.constexpr):
     """The low and high bytes of 16-bit words, as numbers of ``CODE_DTYPE``. On a GPU in
-    float16, two words at a time: ``prmt`` puts each byte under float16's exponent of 1,024
-    (the bits ``0x64XX`` are 1,024 + ``XX``), and one subtraction takes 1,024 off both (two
-    instructions for four codes, where a conversion takes one or two for each)."""
+    float16, two words at a time: ``prmt`` puts two bytes under float16's exponent of 1,024
+    (the bits ``0x64XX`` are 1,024 + ``XX``), and one subtraction takes 1,024 off both: four
+    instructions for four codes, where converting a code takes one or two."""
     if INTERPRETED or tl.float32 == CODE_DTYPE:
         return (words & 0xFF).to(CODE_DTYPE), (words >> 8).to(CODE_DTYPE)
     return tl.inline_asm_elementwise(
