@@ -38,21 +38,22 @@ through ``load_dequantized`` with a unit scale, and its scale and zero rows are 
 tile instead of one a lane. Storing is ``triton_store.py``'s.
 
 Asked to (``fold_scales``; ``head_dim`` a multiple of 4 above 32), the kernel takes a per-token
-scale and zero out of the tile instead, as the field's INT8 and INT4 kernels do: the scores are ``s
-(q · c) + z Σq`` and the weighted sum ``(p ∘ s) · c + Σ p z``, so a value costs no multiply-add and
-no rounding, only its way from a byte into the dot (keys per channel: the values alone). A tile's
-codes are read as 16-bit words, two neighbouring bytes each, and split into four quarters, each
-half's even and odd channels (``_code_quarters``; the query too, once): the values' tile then
-reaches the tensor cores with tokens paired in a register, as 16 bits do, where a byte tile is
-gathered a byte at a time (an sm_90's ``ldmatrix`` transposes 16-bit elements, not bytes). On a GPU
-the split is PTX, about an instruction a code: a byte permute puts two bytes under float16's
-exponent of 1,024, one subtraction takes 1,024 off both (the interpreter runs the same arithmetic in
-Triton). By the SASS (``compile_for_gpu.py --anatomy``, ``head_dim`` 128, Triton 3.9 / the GPU
-image's 3.6) the decode tile loop issues 46.4 / 49.4 warp instructions a cached token in INT8 per
-token against 67.5 / 69.4 unfolded, 49.8 / 52.9 in INT4 against 76.4 / 75.3 (16 bits: 23.2 / 25.8),
-and with keys per channel 86.1 / 90.3 against 92.9 / 96.4 (INT8), 92.6 / 96.2 against 102.8 / 103.8
-(INT4). Not the default until a GPU times it (``bench_decode_kernel.py``, its sweep included):
-folded, part 3.8's load is not called for a per-token cache.
+scale and zero out of the tile instead, as the field's INT8 and INT4 kernels do: the scores are
+``s (q · c) + z Σq`` and the weighted sum ``(p ∘ s) · c + Σ p z``, so a value costs no
+multiply-add and no rounding, only its way from a byte into the dot (keys per channel: the
+values alone). A tile's codes are read as 16-bit words, two neighbouring bytes each, and split
+into four quarters, each half's even and odd channels (``_code_quarters``; the query too, once):
+the values' tile then reaches the tensor cores with tokens paired in a register, as 16 bits do,
+where a byte tile is gathered a byte at a time (an sm_90's ``ldmatrix`` transposes 16-bit
+elements, not bytes). On a GPU the split is PTX, about an instruction a code: a byte permute
+puts two bytes under float16's exponent of 1,024, one subtraction takes 1,024 off both (the
+interpreter runs the same arithmetic in Triton). By the SASS (``compile_for_gpu.py --anatomy``,
+``head_dim`` 128, Triton 3.9 / the GPU image's 3.6) the decode tile loop issues 46.4 / 49.4 warp
+instructions a cached token in INT8 per token against 67.5 / 69.4 unfolded, 49.8 / 52.9 in INT4
+against 76.4 / 75.3 (16 bits: 23.2 / 25.8), and with keys per channel 86.1 / 90.3 against 92.9 /
+96.4 (INT8), 92.6 / 96.2 against 102.8 / 103.8 (INT4). Not the default until a GPU times it
+(``bench_decode_kernel.py``, its sweep included): folded, part 3.8's load is not called for a
+per-token cache.
 
 A split of the context is a whole number of tiles, so that tiles start where blocks do.
 
