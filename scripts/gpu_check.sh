@@ -68,7 +68,7 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...: run it, its output in OUT/NAME
 stage tests "$TESTS_LIMIT" "$PYTHON" -m pytest tests/runtime tests/test_phase3.py \
     tests/hidden/test_phase3_hidden.py -q -n "$WORKERS" -p no:cacheprovider \
     --continue-on-collection-errors --timeout 150 --junitxml "$OUT/tests.xml"
-stage decode_kernel 60 "$PYTHON" benchmarks/bench_decode_kernel.py --out "$OUT"
+stage decode_kernel 90 "$PYTHON" benchmarks/bench_decode_kernel.py --out "$OUT"
 stage decode_sweep 150 "$PYTHON" benchmarks/bench_decode_kernel.py --sweep --out "$OUT"
 stage startup 30 "$PYTHON" -c '
 import json, os, time
