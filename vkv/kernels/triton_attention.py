@@ -407,7 +407,9 @@ def _split_bytes(words, CODE_DTYPE: tl.constexpr):
     """The low and high bytes of 16-bit words, as numbers of ``CODE_DTYPE``. On a GPU in
     float16, two words at a time: ``prmt`` puts two bytes under float16's exponent of 1,024
     (the bits ``0x64XX`` are 1,024 + ``XX``), and one subtraction takes 1,024 off both: four
-    instructions for four codes, where converting a code takes one or two."""
+    instructions for four codes, where converting a code takes one or two. The trick is
+    FasterTransformer's and Marlin's (Kim et al., "Who Says Elephants Can't Run", SustaiNLP
+    2022, https://aclanthology.org/2022.sustainlp-1.6)."""
     if INTERPRETED or tl.float32 == CODE_DTYPE:
         return (words & 0xFF).to(CODE_DTYPE), (words >> 8).to(CODE_DTYPE)
     return tl.inline_asm_elementwise(
