@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 import triton
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_decode_kernel import options_text  # a sweep row's launch options in words
+
 COLLECTION_ERROR = re.compile(r"^_+ ERROR collecting (\S+) _+$", re.M)
 ERROR_LINE = re.compile(r"^E\s+(.+)$", re.M)
 
@@ -96,11 +99,8 @@ def report(result: dict) -> None:
     for row in (result["decode_sweep"] or {}).get("rows", []):
         best.setdefault(row["format"], row)
     for name, row in best.items():
-        folded = {True: ", keys folded", False: ", keys not folded", None: ""}[row.get("fold_keys")]
-        folded += ", scales folded" if row.get("fold_scales") else ""
         print(
-            f"  {name:>32}: fastest at block_n {row['block_n']}, {row['num_warps']} warps, "
-            f"{row['num_stages']} stages{folded}: {row['ms']:.3f} ms "
+            f"  {name:>32}: fastest at {options_text(row)}: {row['ms']:.3f} ms "
             f"({row['speedup_over_defaults']:.2f}x the defaults)"
         )
     for name, row in (result["decode_step"] or {}).items():
