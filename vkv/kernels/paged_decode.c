@@ -59,6 +59,55 @@ static void block_scores(const float *q, const float *k, int64_t token_stride, i
         out[t] = dot(q, k + t * token_stride, head_dim) * scale;
 }
 
+/* acc[d] += sum over t of weight[t] * v_t[d], for the n tokens of a block, whose rows lie
+ * token_stride floats apart. The running sums stay in registers while the block's tokens stream
+ * past: 32 channels at a time, with even and odd tokens in separate sums (eight independent
+ * chains, so the adds do not wait on one another), then 8 at a time; the remaining channels one
+ * by one. */
+static void add_weighted_rows(const float *weight, const float *v, int64_t token_stride,
+                              int64_t n, int64_t head_dim, float *acc) {
+    int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d + 32 <= head_dim; d += 32) {
+        __m256 even[4], odd[4];
+        for (int c = 0; c < 4; ++c) {
+            even[c] = _mm256_loadu_ps(acc + d + 8 * c);
+            odd[c] = _mm256_setzero_ps();
+        }
+        int64_t t = 0;
+        for (; t + 2 <= n; t += 2) {
+            const float *row = v + t * token_stride + d;
+            const __m256 w_even = _mm256_set1_ps(weight[t]), w_odd = _mm256_set1_ps(weight[t + 1]);
+            for (int c = 0; c < 4; ++c) {
+                even[c] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(row + 8 * c), even[c]);
+                odd[c] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(row + token_stride + 8 * c),
+                                         odd[c]);
+            }
+        }
+        if (t < n)
+            for (int c = 0; c < 4; ++c)
+                even[c] = _mm256_fmadd_ps(_mm256_set1_ps(weight[t]),
+                                          _mm256_loadu_ps(v + t * token_stride + d + 8 * c),
+                                          even[c]);
+        for (int c = 0; c < 4; ++c)
+            _mm256_storeu_ps(acc + d + 8 * c, _mm256_add_ps(even[c], odd[c]));
+    }
+    for (; d + 8 <= head_dim; d += 8) {
+        __m256 sum = _mm256_loadu_ps(acc + d);
+        for (int64_t t = 0; t < n; ++t)
+            sum = _mm256_fmadd_ps(_mm256_set1_ps(weight[t]),
+                                  _mm256_loadu_ps(v + t * token_stride + d), sum);
+        _mm256_storeu_ps(acc + d, sum);
+    }
+#endif
+    for (; d < head_dim; ++d) {
+        float sum = acc[d];
+        for (int64_t t = 0; t < n; ++t)
+            sum += weight[t] * v[t * token_stride + d];
+        acc[d] = sum;
+    }
+}
+
 /* Whether the table covers the context with blocks of the cache. */
 static int valid_table(const int32_t *table, int64_t context, int64_t block_size,
                        int64_t table_width, int64_t num_blocks) {
@@ -138,9 +187,7 @@ int vkv_paged_decode_f32(const float *query, const float *k_cache, const float *
                 total[h] = total[h] * rescale + block_total;
                 for (int64_t d = 0; d < head_dim; ++d)
                     acc[h][d] *= rescale;
-                for (int64_t t = 0; t < n; ++t)
-                    for (int64_t d = 0; d < head_dim; ++d)
-                        acc[h][d] += weight[t] * v[t * token_stride + d];
+                add_weighted_rows(weight, v, token_stride, n, head_dim, acc[h]);
                 running_max[h] = new_max;
             }
         }
