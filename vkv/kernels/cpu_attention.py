@@ -27,7 +27,6 @@ attends to nothing: its output is 0, as the reference's and Triton's.
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
 
 from vkv.kernels import cpu_library, reference
 from vkv.kernels.reference import paged_prefill_attention
@@ -53,7 +52,7 @@ def paged_decode_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(query)
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
-    with record_function("vkv::paged_decode_attention"):
+    with cpu_library.labelled("vkv::paged_decode_attention"):
         status = kernel(
             query.data_ptr(),
             k_cache.data_ptr(),
@@ -94,7 +93,7 @@ def store_kvcache(
         reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
         return
     tokens, num_kv_heads, head_dim = key.shape
-    with record_function("vkv::store_kvcache"):
+    with cpu_library.labelled("vkv::store_kvcache"):
         status = library.vkv_store_kv_f32(
             key.data_ptr(),
             value.data_ptr(),

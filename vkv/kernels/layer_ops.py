@@ -22,7 +22,6 @@ this module) and run as one call where they can: a Triton kernel on a GPU
 
 import torch
 from torch.nn import functional
-from torch.profiler import record_function
 
 from vkv.kernels import cpu_library
 
@@ -43,7 +42,7 @@ def add_rms_norm(
     if not _float32(stream, weight) or stream.shape != x.shape:
         return add_rms_norm_reference(x, residual, weight, eps)
     out = torch.empty_like(x)
-    with record_function("vkv::add_rms_norm"):
+    with cpu_library.labelled("vkv::add_rms_norm"):
         cpu_library.library().vkv_add_rms_norm_f32(
             x.data_ptr(),
             stream.data_ptr(),
@@ -96,7 +95,7 @@ def qk_norm_rotary(
         qk_norm_rotary_reference(q, k, positions, cos, signed_sin, q_weight, k_weight, eps)
         return
     tokens, q_heads, head_dim = q.shape
-    with record_function("vkv::qk_norm_rotary"):
+    with cpu_library.labelled("vkv::qk_norm_rotary"):
         status = cpu_library.library().vkv_qk_norm_rotary_f32(
             q.data_ptr(),
             k.data_ptr(),
@@ -146,7 +145,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_reference(x)
     width = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], width)
-    with record_function("vkv::silu_and_mul"):
+    with cpu_library.labelled("vkv::silu_and_mul"):
         cpu_library.library().vkv_silu_and_mul_f32(
             x.data_ptr(), out.data_ptr(), len(x), width, x.stride(0)
         )
