@@ -11,10 +11,11 @@ OpenMP thread at a time. ``store_kvcache`` writes a step's keys and values with 
 (``layer_ops.c``), skipping padding (slot -1) without reading the slots back to the host, as
 the reference's check does. Prefill attention is the reference's.
 
-What it buys (``benchmarks/bench_cpu_attention.py``, 2 cores): a quarter to two fifths of the
-reference's time for one call whose blocks are in the CPU's caches; inside a ``vkv bench e2e``
-run, where each layer's K/V come from memory, about three quarters (the blocks are fetched a few
-ahead, since no hardware prefetcher follows a block table).
+What it buys (``benchmarks/bench_cpu_attention.py``, 2 cores, 2026-12-06): a fifth to a third
+of the reference's time for one call whose blocks are in the CPU's caches (0.22x on a 0.6B
+model's shape, 0.31x on vkv-tiny's); inside a ``vkv bench e2e`` run, where each layer's K/V come
+from memory, about two fifths (0.37x; the blocks are fetched a few ahead, since no hardware
+prefetcher follows a block table).
 
 The C library is ``cpu_library``'s. Without it, or for a cache it does not handle (not float32,
 quantized, not contiguous), these fall back to the reference, with the same results up to float
