@@ -80,9 +80,13 @@ def kernels_alone(rounds: int) -> dict:
     return results
 
 
-def in_the_engine(rounds: int) -> dict:
+def in_the_engine(rounds: int, num_requests: int = 64, lens: tuple[int, int] = (16, 256)) -> dict:
+    """``vkv bench e2e``'s workload (``num_requests`` of them, prompts and outputs of ``lens``
+    tokens) through the engine with the loop and with the reference, interleaved."""
     engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=64, device="cpu")
-    workload = Workload.mixed(lambda text: engine.tokenizer.encode(text).ids)
+    workload = Workload.mixed(
+        lambda text: engine.tokenizer.encode(text).ids, num_requests, lens, lens
+    )
     run_vkv(engine, Workload(workload.prompts[:2], [4, 4]))
     spent = {"seconds": 0.0}
     backend = engine.runner.backend

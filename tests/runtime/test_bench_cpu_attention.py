@@ -1,0 +1,47 @@
+"""The CPU attention benchmark on a small workload: both sides run and are timed, the loop's
+side calls the loop and the reference's does not, and the engine's loop is restored after."""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_cpu_attention
+import pytest
+
+from vkv.kernels import cpu_attention
+
+needs_kernel = pytest.mark.skipif(
+    cpu_attention.kernel_path() is None and os.environ.get("VKV_REQUIRE_CPU_KERNEL") != "1",
+    reason="no C compiler to build paged_decode.c (VKV_REQUIRE_CPU_KERNEL=1 fails instead)",
+)
+
+
+@needs_kernel
+def test_the_engine_runs_once_with_the_loop_and_once_with_the_reference(monkeypatch):
+    loop, calls = cpu_attention._kernel, {"loop": 0}
+
+    def counted():
+        calls["loop"] += 1
+        return loop()
+
+    monkeypatch.setattr(cpu_attention, "_kernel", counted)
+    result = bench_cpu_attention.in_the_engine(rounds=1, num_requests=3, lens=(8, 12))
+    assert result["identical_completions"] is True
+    for side in ("reference", "in place"):
+        assert result[side]["run_s"] > result[side]["decode_attention_s"] > 0, result
+    assert calls["loop"] > 0, "the loop's side ran the loop"
+    assert cpu_attention._kernel is counted, "the benchmark put the engine's loop back"
+
+
+@needs_kernel
+def test_the_kernels_alone_agree_with_the_reference(monkeypatch):
+    monkeypatch.setattr(
+        bench_cpu_attention,
+        "SHAPES",
+        {"small": dict(batch=3, heads=4, kv_heads=2, head_dim=16, contexts=(5, 40))},
+    )
+    result = bench_cpu_attention.kernels_alone(rounds=1)["small"]
+    assert result["max_abs_difference"] < 1e-5
+    assert result["reference_ms"] > 0 and result["in_place_ms"] > 0
