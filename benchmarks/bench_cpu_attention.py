@@ -87,7 +87,8 @@ def in_the_engine(rounds: int, num_requests: int = 64, lens: tuple[int, int] = (
     workload = Workload.mixed(
         lambda text: engine.tokenizer.encode(text).ids, num_requests, lens, lens
     )
-    run_vkv(engine, Workload(workload.prompts[:2], [4, 4]))
+    warm_up = workload.prompts[:2]
+    run_vkv(engine, Workload(warm_up, [4] * len(warm_up)))
     spent = {"seconds": 0.0}
     backend = engine.runner.backend
 

@@ -53,7 +53,7 @@ def test_the_loop_is_built_when_required():
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("head_dim", [32, 20, 44])
+@pytest.mark.parametrize("head_dim", [32, 20, 44, 40])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 4), (8, 2)])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_the_loop_matches_the_reference_and_dense_attention(

@@ -14,7 +14,7 @@ the reference's check does. Prefill attention is the reference's.
 What it buys (``benchmarks/bench_cpu_attention.py``, 2 cores, 2026-12-06): a fifth to a third
 of the reference's time for one call whose blocks are in the CPU's caches (0.22x on a 0.6B
 model's shape, 0.31x on vkv-tiny's); inside a ``vkv bench e2e`` run, where each layer's K/V come
-from memory, about two fifths (0.37x; the blocks are fetched a few ahead, since no hardware
+from memory, about three eighths (0.37x; the blocks are fetched a few ahead, since no hardware
 prefetcher follows a block table).
 
 The C library is ``cpu_library``'s. Without it, or for a cache it does not handle (not float32,

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 import torch
+from torch.autograd import profiler
 from torch.profiler import record_function
 
 SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("layer_ops.c"))
@@ -61,10 +62,12 @@ def library_path() -> Path | None:
 
 
 def labelled(name: str) -> contextlib.AbstractContextManager:
-    """A range named ``name`` (``vkv::...``) in torch's profiler around a C call, while the
-    profiler records; otherwise nothing. A range costs about 5 microseconds, and a decode step
-    of vkv-tiny makes some 30 of these calls: about 1.5 % of ``vkv bench e2e``'s vkv side."""
-    if torch._C._autograd._profiler_enabled():
+    """A range named ``name`` (``vkv::...``) in torch's profiler around a C call, while a
+    profiler records (torch's own flag, which ``profile_all_threads`` sets for every thread, or
+    this thread's profiler state); otherwise nothing. A range costs about 5 microseconds, and a
+    decode step of vkv-tiny makes some 30 of these calls: about 1.5 % of ``vkv bench e2e``'s vkv
+    side. Not seen: an ``ExecutionTraceObserver`` recording without a profiler."""
+    if profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled():
         return record_function(name)
     return contextlib.nullcontext()
 

@@ -62,8 +62,8 @@ static void block_scores(const float *q, const float *k, int64_t token_stride, i
 /* acc[d] += sum over t of weight[t] * v_t[d], for the n tokens of a block, whose rows lie
  * token_stride floats apart. The running sums stay in registers while the block's tokens stream
  * past: 32 channels at a time, with even and odd tokens in separate sums (eight independent
- * chains, so the adds do not wait on one another), then 8 at a time; the remaining channels one
- * by one. */
+ * chains, so the adds do not wait on one another), then 8 at a time; the remaining channels
+ * (all of them without AVX2) token by token. */
 static void add_weighted_rows(const float *weight, const float *v, int64_t token_stride,
                               int64_t n, int64_t head_dim, float *acc) {
     int64_t d = 0;
@@ -100,12 +100,9 @@ static void add_weighted_rows(const float *weight, const float *v, int64_t token
         _mm256_storeu_ps(acc + d, sum);
     }
 #endif
-    for (; d < head_dim; ++d) {
-        float sum = acc[d];
-        for (int64_t t = 0; t < n; ++t)
-            sum += weight[t] * v[t * token_stride + d];
-        acc[d] = sum;
-    }
+    for (int64_t t = 0; t < n; ++t) /* token by token, so the compiler vectorizes over channels */
+        for (int64_t e = d; e < head_dim; ++e)
+            acc[e] += weight[t] * v[t * token_stride + e];
 }
 
 /* Whether the table covers the context with blocks of the cache. */
