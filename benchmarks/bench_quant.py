@@ -15,12 +15,13 @@ library):
   a group of ``kv_heads * head_dim``): at vkv-tiny's head_dim of 32, per-head scales weigh too
   much to reach 1.9x and 3.5x the blocks of 16-bit KV;
 - greedy agreement with the unquantized cache: 32 held-out prompts of 64 bytes, 256 generated
-  tokens each, the share of tokens before the first difference, and how many are identical;
+  tokens each (``--tokens``), the share of tokens before the first difference, and how many are
+  identical;
 - decode throughput of that generation on this machine (the fastest of ``--rounds``
   interleaved runs, after a warm-up; tokens per second and the ratio to unquantized: the
   machines are shared, only ratios within one run mean anything).
 
-    uv run python benchmarks/bench_quant.py [--windows 96] [--prompts 32] [--out DIR]
+    uv run python benchmarks/bench_quant.py [--windows 96] [--prompts 32] [--tokens 256] [--out DIR]
 
 Prints a table, writes ``bench_quant.json`` and ``bench_quant.png`` (quality against bytes per
 token) to ``--out`` (default ``benchmarks/results``).
@@ -104,10 +105,12 @@ def bits_per_byte(llm: LLM, windows: torch.Tensor, kv: str, keys: str, group: st
     return total / (windows.numel() - len(windows)) / math.log(2)
 
 
-def generate_all(prompts: list[list[int]], rounds: int) -> dict[str, tuple[list[list[int]], float]]:
-    """Each format's greedy completions and its fastest decode speed (tokens per second) over
-    ``rounds`` interleaved runs, after one warm-up run each."""
-    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+def generate_all(
+    prompts: list[list[int]], rounds: int, max_tokens: int = 256
+) -> dict[str, tuple[list[list[int]], float]]:
+    """Each format's greedy completions of ``max_tokens`` and its fastest decode speed (tokens
+    per second) over ``rounds`` interleaved runs, after one warm-up run each."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engines = {
         name: LLM(
             kv_cache_dtype=kv,
@@ -125,7 +128,7 @@ def generate_all(prompts: list[list[int]], rounds: int) -> dict[str, tuple[list[
         for kv, llm in engines.items():
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_progress=False)
-            speed = 256 * len(prompts) / (time.perf_counter() - started)
+            speed = max_tokens * len(prompts) / (time.perf_counter() - started)
             tokens[kv] = [o["token_ids"] for o in outputs]
             if round_:  # the first round warms up
                 fastest[kv] = max(fastest[kv], speed)
@@ -146,6 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--windows", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=256, help="generated a prompt")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timed generations")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
@@ -159,7 +163,7 @@ def main() -> None:
     prompts = [stream[i * step + 7 : i * step + 71].tolist() for i in range(args.prompts)]
     llm = LLM(block_size=BLOCK, num_gpu_blocks=8)
     config = llm.engine.model.config
-    generated = generate_all(prompts, args.rounds)
+    generated = generate_all(prompts, args.rounds, args.tokens)
     base_tokens, base_speed = generated["16-bit"]
     results = {}
     for name, (kv, keys, group) in FORMATS.items():
@@ -194,17 +198,15 @@ def main() -> None:
             100 * (row["bits_per_byte"] / base["bits_per_byte"] - 1), 3
         )
         row["capacity_ratio"] = round(row["blocks_in_256MiB"] / base["blocks_in_256MiB"], 3)
-    show(console, results, args.windows, args.prompts)
+    show(console, results, args.windows, f"{args.prompts} prompts x {args.tokens}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_quant.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "bench_quant.png")
     console.print(f"wrote {args.out / 'bench_quant.json'} and {args.out / 'bench_quant.png'}")
 
 
-def show(console: Console, results: dict, windows: int, prompts: int) -> None:
-    table = Table(
-        title=f"vkv-tiny, held out: {windows} windows of {WINDOW} bytes; {prompts} prompts x 256"
-    )
+def show(console: Console, results: dict, windows: int, prompts: str) -> None:
+    table = Table(title=f"vkv-tiny, held out: {windows} windows of {WINDOW} bytes; {prompts}")
     columns = [
         ("format", None),
         ("bits/byte", "bits_per_byte"),
