@@ -205,8 +205,8 @@ def main() -> None:
     console.print(f"wrote {args.out / 'bench_quant.json'} and {args.out / 'bench_quant.png'}")
 
 
-def show(console: Console, results: dict, windows: int, prompts: str) -> None:
-    table = Table(title=f"vkv-tiny, held out: {windows} windows of {WINDOW} bytes; {prompts}")
+def show(console: Console, results: dict, windows: int, generation: str) -> None:
+    table = Table(title=f"vkv-tiny, held out: {windows} windows of {WINDOW} bytes; {generation}")
     columns = [
         ("format", None),
         ("bits/byte", "bits_per_byte"),

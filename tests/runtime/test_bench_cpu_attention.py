@@ -1,21 +1,15 @@
 """The CPU attention benchmark on a small workload: both sides run and are timed, the loop's
 side calls the loop and the reference's does not, and the engine's loop is restored after."""
 
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_cpu_attention
-import pytest
+from test_cpu_attention import needs_kernel
 
 from vkv.kernels import cpu_attention
-
-needs_kernel = pytest.mark.skipif(
-    cpu_attention.kernel_path() is None and os.environ.get("VKV_REQUIRE_CPU_KERNEL") != "1",
-    reason="no C compiler to build paged_decode.c (VKV_REQUIRE_CPU_KERNEL=1 fails instead)",
-)
 
 
 @needs_kernel

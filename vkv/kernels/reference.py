@@ -158,8 +158,12 @@ def paged_prefill_attention(
         values = gather_blocks(v_cache, block_tables[i : i + 1], into="values")[0, :, :context]
         if new == context:  # a whole prompt: plain causal attention, each head its KV head's
             heads = query[start:end].transpose(0, 1)
-            rows = _causal_attention(
-                heads, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0), scale
+            rows = _attention(
+                heads,
+                keys.repeat_interleave(group, 0),
+                values.repeat_interleave(group, 0),
+                None,
+                scale,
             )
             out[start:end] = rows.transpose(0, 1).to(query.dtype)
             continue
@@ -172,25 +176,21 @@ def paged_prefill_attention(
     return out
 
 
-def _causal_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Softmax attention in fp32, row i reading keys 0..i: SDPA's own causal mask, which its
-    fused kernels apply without a mask tensor (half the time of ``_attention`` with one, for a
-    long prompt on a CPU)."""
-    return torch.nn.functional.scaled_dot_product_attention(
-        query.float(), keys.float(), values.float(), is_causal=True, scale=scale
-    )
-
-
 def _attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    visible: torch.Tensor,
+    visible: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Softmax attention in fp32; ``visible`` (boolean) says which keys each query row reads."""
+    """Softmax attention in fp32; ``visible`` (boolean) says which keys each query row reads.
+    None: causal, row i reads keys 0..i, by SDPA's own mask, which its fused kernels apply
+    without a mask tensor (half the time of a mask tensor's, for a long prompt on a CPU)."""
     return torch.nn.functional.scaled_dot_product_attention(
-        query.float(), keys.float(), values.float(), attn_mask=visible, scale=scale
+        query.float(),
+        keys.float(),
+        values.float(),
+        attn_mask=visible,
+        is_causal=visible is None,
+        scale=scale,
     )
