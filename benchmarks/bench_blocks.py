@@ -73,7 +73,13 @@ def measure(requests, block_size: int) -> dict:
         shared += held
         unshared += SAMPLES * math.ceil(length / block_size)
         copies += cow
-    n = len(requests)
+    return figures(len(requests), slots, tokens, entries, shared, unshared, copies)
+
+
+def figures(n, slots, tokens, entries, shared, unshared, copies) -> dict:
+    """The reported figures from the counts over n requests: slots and table entries held
+    alone, tokens stored, blocks held by 4 forked samples and by 4 unshared copies, copies on
+    write."""
     return {
         "wasted_slots_pct": round(100 * (slots - tokens) / slots, 2),
         "table_entries": round(entries / n, 1),

@@ -16,7 +16,7 @@ from workloads import sharegpt_like
 
 def expected(requests, block_size: int) -> dict:
     """The figures ``bench_blocks.measure`` reports, from the lengths alone."""
-    samples, n = bench_blocks.SAMPLES, len(requests)
+    samples = bench_blocks.SAMPLES
     slots = tokens = entries = shared = unshared = copies = 0
     for request in requests:
         length = request.prompt_len + request.output_len
@@ -26,14 +26,7 @@ def expected(requests, block_size: int) -> dict:
         shared += full_prompt_blocks + samples * (blocks - full_prompt_blocks)
         unshared += samples * blocks
         copies += (samples - 1) if request.prompt_len % block_size else 0
-    return {
-        "wasted_slots_pct": round(100 * (slots - tokens) / slots, 2),
-        "table_entries": round(entries / n, 1),
-        "blocks_4_samples_forked": round(shared / n, 1),
-        "blocks_4_samples_unshared": round(unshared / n, 1),
-        "fork_saves_pct": round(100 * (1 - shared / unshared), 1),
-        "copies_on_write": round(copies / n, 2),
-    }
+    return bench_blocks.figures(len(requests), slots, tokens, entries, shared, unshared, copies)
 
 
 def test_two_requests_give_every_block_size_the_figures_their_lengths_give(monkeypatch, tmp_path):
