@@ -21,7 +21,11 @@ the median over the rounds of its mean microseconds per step and its share of th
 timers cost about half a microsecond a timed call (``_output`` is called once per sequence), so
 the steps here run a little slower than in ``vkv bench e2e``, whose share is the reference.
 
-    uv run python benchmarks/bench_step_overhead.py [--rounds 3] [--out DIR]
+With ``--batch 128`` (``max_num_seqs`` and the requests; the GPU check's batch), the phases
+outside the forward estimate what a GPU waits for between two replays of its decode graph: the
+host's own work, which a CUDA graph does not take away (on this CPU the forward is the CPU's).
+
+    uv run python benchmarks/bench_step_overhead.py [--rounds 3] [--batch 64] [--out DIR]
 """
 
 import argparse
@@ -144,14 +148,23 @@ def measure(engine: LLMEngine, workload: Workload, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=64,
+        help="max_num_seqs and the number of requests (128: the GPU check's batch)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=64, device="cpu")
-    workload = Workload.mixed(lambda text: engine.tokenizer.encode(text).ids)
+    engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=args.batch, device="cpu")
+    workload = Workload.mixed(
+        lambda text: engine.tokenizer.encode(text).ids, num_requests=args.batch
+    )
     summary = measure(engine, workload, args.rounds)
     step = summary["step_us"]
     table = Table(
-        title=f"Decode steps of 64 sequences ({summary['steps']} a run), median of {args.rounds}"
+        title=f"Decode steps of {args.batch} sequences ({summary['steps']} a run), "
+        f"median of {args.rounds}"
     )
     for column in ("phase", "us per step", "share of the step"):
         table.add_column(column, justify="left" if column == "phase" else "right")

@@ -227,7 +227,7 @@ class LLMEngine:
     def _track(self, seq: Sequence, request_id: int) -> None:
         """Record a new sequence as the next sample of its request."""
         samples = self._samples.setdefault(request_id, [])
-        self.outputs.track(seq.seq_id, request_id, len(samples))
+        self.outputs.track(seq, request_id, len(samples))
         samples.append(seq)
         self._requests[seq.seq_id] = seq
         self._next_id = max(self._next_id, seq.seq_id + 1)
@@ -482,9 +482,10 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         """What the sequence gained since its last output (``OutputProcessor``). A stop string
         in its text finishes it here, as FINISHED_STOPPED, before another step can run it."""
-        if self.outputs.reaches_stop(seq):
+        completion = seq.completion_token_ids
+        if self.outputs.reaches_stop(seq, completion):
             self._finish_stopped(seq)
-        return self.outputs.output(seq)
+        return self.outputs.output(seq, completion)
 
     def _finish_stopped(self, seq: Sequence) -> None:
         """Finish a sequence whose text reached a stop string as FINISHED_STOPPED (vLLM's

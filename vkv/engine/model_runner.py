@@ -284,7 +284,7 @@ class ModelRunner:
         else:
             logits = self.parallel.run_step(lambda: self.forward(batch), ("batch", batch))
         draws = [
-            Draw(index, seq.sampling_params, seq.completion_token_ids, seq.num_tokens)
+            Draw(index, seq.sampling_params, history(seq), seq.num_tokens)
             for index, seq in enumerate(item.seq for item in scheduled)
         ]
         for index, item in enumerate(scheduled):  # the other samples' first tokens, the same row
@@ -394,13 +394,19 @@ def least_kept(ordered: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
 
 class Draw(NamedTuple):  # a tuple: a step makes one a sequence (a frozen dataclass: twice the time)
     """One token a step draws: from row ``row`` of the logits, by ``params``, for a sequence
-    whose completion so far is ``history`` (the penalties count it) and whose length is
-    ``step`` (a seeded draw depends on it)."""
+    whose completion so far is ``history`` (the penalties count it; see ``history``) and
+    whose length is ``step`` (a seeded draw depends on it)."""
 
     row: int
     params: SamplingParams
     history: list[int]
     step: int
+
+
+def history(seq: Sequence) -> list[int]:
+    """What a draw for ``seq`` needs of its completion: a copy of it where its params adjust
+    the logits (penalties count its tokens), else nothing (no copy a step and sequence)."""
+    return seq.completion_token_ids if seq.sampling_params.adjusts_logits else []
 
 
 def draw_tokens(logits: torch.Tensor, draws: list[Draw]) -> list[int]:

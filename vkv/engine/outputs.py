@@ -40,13 +40,15 @@ class RequestOutput:
 class Detokenized:
     """What a sequence has returned: tokens (``sent``), the text decoded from its tokens
     (through ``read_offset``; ``text``, cut before a stop string) and how much of it went out
-    (``returned`` characters)."""
+    (``returned`` characters); ``hold``, how many of the text's last characters wait while it
+    runs (``held_back`` of its stop strings)."""
 
     sent: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""
     returned: int = 0
+    hold: int = 0
 
 
 class Detokenizer:
@@ -89,7 +91,8 @@ class OutputProcessor:
 
     The engine ``track``s a sequence when it is made, and after each step asks, for each
     sequence the step touched, whether its text reached a stop string (``reaches_stop``:
-    the engine then finishes it) and then for its ``output``; ``forget`` drops a sequence.
+    the engine then finishes it) and then for its ``output``, both given one copy of the
+    sequence's completion tokens (a copy a step, not one each); ``forget`` drops a sequence.
     """
 
     def __init__(self, detokenizer: Detokenizer) -> None:
@@ -99,9 +102,9 @@ class OutputProcessor:
         self.errors: dict[int, str] = {}  # sequence id -> why it failed
         self.logprobs: dict[int, list[TokenLogprobs]] = {}  # sequence id -> its tokens'
 
-    def track(self, seq_id: int, request_id: int, index: int) -> None:
-        self.sample_of[seq_id] = (request_id, index)
-        self.streamed[seq_id] = Detokenized()
+    def track(self, seq: Sequence, request_id: int, index: int) -> None:
+        self.sample_of[seq.seq_id] = (request_id, index)
+        self.streamed[seq.seq_id] = Detokenized(hold=held_back(seq.sampling_params.stop))
 
     def forget(self, seq_id: int) -> None:
         for records in (self.sample_of, self.streamed, self.errors, self.logprobs):
@@ -114,28 +117,28 @@ class OutputProcessor:
         if len(kept) < seq.num_completion_tokens:
             kept.append(entry)
 
-    def reaches_stop(self, seq: Sequence) -> bool:
-        """Decode what the sequence's new tokens add to its text; True when the text now holds
-        a stop string (``SamplingParams.stop``), cut before it (the tokens stay, the one that
-        completed the string included): the caller finishes the sequence as stopped."""
+    def reaches_stop(self, seq: Sequence, completion: list[int]) -> bool:
+        """Decode what the sequence's new tokens (the end of ``completion``, its completion
+        tokens) add to its text; True when the text now holds a stop string
+        (``SamplingParams.stop``), cut before it (the tokens stay, the one that completed the
+        string included): the caller finishes the sequence as stopped."""
         state = self.streamed[seq.seq_id]
         stop = seq.sampling_params.stop
-        searched = max(0, len(state.text) - held_back(stop))  # a stop may begin in held text
-        state.text += self.detokenizer.new_text(state, seq.completion_token_ids, seq.is_finished)
+        searched = max(0, len(state.text) - state.hold)  # a stop may begin in held text
+        state.text += self.detokenizer.new_text(state, completion, seq.is_finished)
         cut = first_stop(state.text, stop, searched) if stop else None
         if cut is None:
             return False
         state.text = state.text[:cut]
         return True
 
-    def output(self, seq: Sequence) -> RequestOutput:
+    def output(self, seq: Sequence, completion: list[int]) -> RequestOutput:
         """What the sequence gained since its last output (its text decoded by
-        ``reaches_stop``). While it runs, the text's last ``held_back`` characters wait."""
-        completion = seq.completion_token_ids
+        ``reaches_stop``; ``completion``, its completion tokens, a copy the output keeps).
+        While it runs, the text's last ``hold`` characters wait."""
         state = self.streamed[seq.seq_id]
         finished = seq.is_finished
-        hold = held_back(seq.sampling_params.stop)
-        ready = len(state.text) if finished else max(state.returned, len(state.text) - hold)
+        ready = len(state.text) if finished else max(state.returned, len(state.text) - state.hold)
         new_text, state.returned = state.text[state.returned : ready], ready
         sent, state.sent = state.sent, len(completion)
         request_id, index = self.sample_of[seq.seq_id]
