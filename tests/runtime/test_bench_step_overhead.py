@@ -1,5 +1,6 @@
 """The step-overhead benchmark: its phases account for the whole step, on a small workload."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -41,3 +42,13 @@ def test_every_phase_is_timed_and_they_add_up_to_the_step(summary):
 def test_the_engine_is_left_as_it_was(summary):
     _, engine = summary
     assert "step" not in vars(engine), "the timed step is removed after each round"
+
+
+def test_the_script_runs_a_batch_of_the_size_asked(monkeypatch, tmp_path, capsys):
+    argv = ["bench_step_overhead.py", "--rounds", "1", "--batch", "4", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_step_overhead.main()
+    result = json.loads((tmp_path / "bench_step_overhead.json").read_text())
+    assert result["rounds"] == 1 and result["steps"] > 0
+    assert list(result["phases_us"]) == bench_step_overhead.PHASES
+    assert "Decode steps of 4 sequences" in capsys.readouterr().out
