@@ -13,14 +13,17 @@ other programs share (a lab machine, a laptop with a browser open, a CI runner):
   (``benchmarks/bench_busy.py``), where a CPU-bound program should take about 2.5 to 3 times.
   Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``) cured that, but then every parallel region
   wakes its threads through the kernel, and a step runs hundreds of regions microseconds
-  apart: on an idle machine the e2e side took 1.15 times as long as with a short spin, and
-  beside the busy loops longer too. So ``import vkv`` asks for a short spin,
-  ``GOMP_SPINCOUNT=1000`` (``prefer_short_spin``; measured 2026-12-06, e2e side idle 3.08 s
-  against 3.54 s passive and 3.40 s with the long default, whose spinning threads also make
-  ``free_cpus`` below count the engine's own threads as others'). libgomp reads it once, when
-  it is loaded, that is when torch is first imported: ``vkv/__init__.py`` calls it before
-  anything of vkv imports torch. A choice already in the environment (``OMP_WAIT_POLICY`` or
-  ``GOMP_SPINCOUNT``) is kept, so ``OMP_WAIT_POLICY=PASSIVE vkv ...`` sleeps at once.
+  apart. So ``import vkv`` asks for a spin long enough to bridge the gaps between a step's
+  ops and short enough to end well before the next step, ``GOMP_SPINCOUNT=10000``
+  (``prefer_short_spin``). Measured 2026-12-06 on 2 idle cores, the vkv side of ``vkv bench
+  e2e``, fastest of 3: 1,000 rounds 2.30-2.32 s (a worker asleep at almost every region);
+  10,000 1.55-1.62 s; 100,000 1.54-1.58 s; beside 4 busy loops (``benchmarks/bench_busy.py``)
+  10,000 takes the time 1,000 did (7.7-8.1 s). libgomp reads the setting once, when it is
+  loaded, that is when torch is first imported: ``vkv/__init__.py`` calls it before anything
+  of vkv imports torch. A choice already in the environment (``OMP_WAIT_POLICY`` or
+  ``GOMP_SPINCOUNT``) is kept, so ``OMP_WAIT_POLICY=PASSIVE vkv ...`` sleeps at once; a
+  program that imports torch before vkv gets libgomp's own long spin (as fast here, 1.49-1.60
+  s, once ``free_cpus`` leaves our own threads out: below).
 - **How many threads**: no more than the CPUs this process may use (``usable_cpus``: its CPU
   affinity, which ``taskset`` and a container's CPU set narrow, and a cgroup's CPU quota), never
   the machine's whole count. ``LLMEngine`` lowers torch's thread count to it on a CPU.
@@ -29,9 +32,13 @@ other programs share (a lab machine, a laptop with a browser open, a CI runner):
   busy neighbours each step waits at every barrier for whichever thread the kernel had set
   aside. Before each step on a CPU the model runner asks ``free_cpus`` how many threads have
   a CPU to themselves at that instant (the kernel's count of runnable tasks, the fourth field
-  of ``/proc/loadavg``) and runs that many, at most its limit, at least one. On an idle
-  machine that is every usable CPU; beside 4 busy loops on 2 cores it is one, and the vkv side
-  of ``vkv bench e2e`` took 2.9 times its idle time instead of 3.5.
+  of ``/proc/loadavg``, less this process's own runnable threads) and runs that many, at most
+  its limit, at least one. On an idle machine that is every usable CPU; beside 4 busy loops on
+  2 cores it is one, and the vkv side of ``vkv bench e2e`` took 2.9 times its idle time
+  instead of 3.5. Our own threads must be left out of the count: a worker still spinning
+  after the step's last region is runnable, and counted as a neighbour it made every other
+  step run on one thread (libgomp's long spin: 2.10-2.14 s for the e2e side, against 1.49-1.60
+  s without the miscount).
 """
 
 import math
@@ -39,8 +46,9 @@ import os
 from pathlib import Path
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max ..."
-SPIN_COUNT = 1000  # rounds a waiting OpenMP thread spins before it sleeps (libgomp: 300,000)
+SPIN_COUNT = 10_000  # rounds a waiting OpenMP thread spins before it sleeps (libgomp: 300,000)
 LOADAVG = Path("/proc/loadavg")  # its fourth field: "<runnable>/<all>" tasks, at this instant
+TASKS = Path("/proc/self/task")  # a folder per thread of this process, each with its "stat"
 
 
 def prefer_short_spin() -> None:
@@ -70,12 +78,35 @@ def _quota_cpus() -> int | float:
 
 def free_cpus(limit: int) -> int:
     """How many of ``limit`` threads have a CPU to themselves now: the machine's CPUs less the
-    tasks other than the caller that are runnable at this instant, between 1 and ``limit``;
-    ``limit`` where the kernel does not say (not Linux)."""
-    others = runnable_tasks()
-    if others is None:
+    other programs' tasks that are runnable at this instant (the kernel's count less this
+    process's own runnable threads: an OpenMP worker still spinning after the last parallel
+    region is ours, not a neighbour), between 1 and ``limit``; ``limit`` where the kernel does
+    not say (not Linux)."""
+    runnable = runnable_tasks()
+    if runnable is None:
         return limit
-    return max(1, min(limit, (os.cpu_count() or 1) - (others - 1)))
+    others = runnable - own_runnable_threads()
+    return max(1, min(limit, (os.cpu_count() or 1) - others))
+
+
+def own_runnable_threads() -> int:
+    """This process's threads that are running or waiting for a CPU now, the caller among them
+    (the state after the command name in each ``/proc/self/task/<tid>/stat``; 1, the caller,
+    where that cannot be read)."""
+    try:
+        threads = os.listdir(TASKS)
+    except OSError:
+        return 1
+    running = 0
+    for thread in threads:
+        try:
+            with open(TASKS / thread / "stat", "rb") as stat_file:
+                stat = stat_file.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        state_at = stat.rfind(b")") + 2  # a command name may hold ")" itself
+        running += stat[state_at : state_at + 1] == b"R"
+    return max(1, running)
 
 
 def runnable_tasks() -> int | None:

@@ -87,8 +87,38 @@ def test_a_cgroup_cpu_quota_caps_the_cpus(tmp_path, monkeypatch, cpu_max, quota)
 )
 def test_free_cpus_leaves_the_cpus_other_tasks_run_on(monkeypatch, runnable, cpus, free):
     monkeypatch.setattr(threads, "runnable_tasks", lambda: runnable)
+    monkeypatch.setattr(threads, "own_runnable_threads", lambda: 1)  # the caller alone
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     assert threads.free_cpus(4) == free
+
+
+@pytest.mark.parametrize(("runnable", "own", "free"), [(2, 2, 2), (3, 2, 1), (6, 2, 1)])
+def test_free_cpus_does_not_count_this_processs_own_threads_as_neighbours(
+    monkeypatch, runnable, own, free
+):
+    """A worker of ours still spinning after the last parallel region is runnable too: counted
+    as a neighbour, a step on 2 threads would leave the next one on 1, and so on, turn about."""
+    monkeypatch.setattr(threads, "runnable_tasks", lambda: runnable)
+    monkeypatch.setattr(threads, "own_runnable_threads", lambda: own)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert threads.free_cpus(2) == free
+
+
+def test_own_runnable_threads_reads_each_threads_state(tmp_path, monkeypatch):
+    stats = {
+        "100": "100 (python) R 1 100 100 0 -1",
+        "101": "101 (python) S 1 100 100 0 -1",
+        "102": "102 (a) S (b) R 1 100 100 0 -1",  # ")" in the command name: the last one ends it
+        "103": "103 (pt_main) D 1 100 100 0 -1",
+    }
+    for tid, stat in stats.items():
+        (tmp_path / tid).mkdir()
+        (tmp_path / tid / "stat").write_text(stat)
+    (tmp_path / "104").mkdir()  # a thread that ended between the listing and the read
+    monkeypatch.setattr(threads, "TASKS", tmp_path)
+    assert threads.own_runnable_threads() == 2
+    monkeypatch.setattr(threads, "TASKS", tmp_path / "missing")
+    assert threads.own_runnable_threads() == 1, "the caller, where the kernel does not say"
 
 
 @pytest.mark.parametrize(
