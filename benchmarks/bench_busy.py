@@ -7,10 +7,14 @@ command (its default 24 requests, as a user types it), and the vkv side of ``vkv
 busy time over its idle time, per pair and the median.
 
 A CPU-bound program that shares C cores with N busy neighbours gets about C / (N + 1) of
-each core's time at worst, so on 2 cores beside 4 loops it should take about 2.5x its idle
-time. Far more than that means its threads wait for each other while the neighbours hold the
-cores (a thread pool that spins at every barrier): ``vkv.threads`` chooses the engine's
-thread settings so that this does not happen.
+each core's time at worst: on 2 cores beside 4 loops, 0.4 of each. Two threads would then take
+about 2.5x their idle time if they never waited for each other; but an op split over two
+threads ends when its slower half ends, and the kernel sets one or the other aside, so the
+engine runs one thread there (``vkv.threads.free_cpus``), which gets 0.4 of one core: about
+5x the idle time of two threads on idle cores (2026-12-06: the e2e side 1.57-1.60 s idle,
+7.7-8.1 s busy). Far more than that means threads wait for each other while the neighbours
+hold the cores (a thread pool that spins long at every barrier): ``vkv.threads`` chooses the
+engine's thread settings so that this does not happen.
 
     uv run python benchmarks/bench_busy.py [--pairs 3] [--busy 4] [--out DIR]
 """
