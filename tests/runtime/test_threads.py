@@ -104,6 +104,16 @@ def test_free_cpus_does_not_count_this_processs_own_threads_as_neighbours(
     assert threads.free_cpus(2) == free
 
 
+def test_free_cpus_reads_no_thread_of_its_own_when_the_caller_alone_runs(monkeypatch):
+    def unread():
+        raise AssertionError("the caller alone is runnable: nothing of ours to subtract")
+
+    monkeypatch.setattr(threads, "runnable_tasks", lambda: 1)
+    monkeypatch.setattr(threads, "own_runnable_threads", unread)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert threads.free_cpus(2) == 2
+
+
 def test_own_runnable_threads_reads_each_threads_state(tmp_path, monkeypatch):
     stats = {
         "100": "100 (python) R 1 100 100 0 -1",
