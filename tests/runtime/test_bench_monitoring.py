@@ -6,23 +6,16 @@ on the PATH the run skips, unless ``VKV_REQUIRE_PROMETHEUS=1`` (``.ci/run`` inst
 
 import json
 import math
-import os
-import shutil
 import sys
 import time
 import types
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_monitoring
+from test_monitoring import needs_prometheus
 
-needs_prometheus = pytest.mark.skipif(
-    not shutil.which("prometheus") and os.environ.get("VKV_REQUIRE_PROMETHEUS") != "1",
-    reason="Debian's prometheus: apt-get install prometheus (VKV_REQUIRE_PROMETHEUS=1 fails)",
-)
 ALERTS = {"VkvKVCacheNearlyFull", "VkvPreemptionStorm"}
 SHARES = {"hit ratio", "KV now", "KV mean"}  # between 0 and 1
 KV_NOW = bench_monitoring.COLUMNS["KV now"][0]

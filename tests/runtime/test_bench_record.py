@@ -10,20 +10,7 @@ from typing import ClassVar
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_record
-
-from vkv.bench import Workload
-
-OUTPUT_LENS = (8, 12)
-
-
-class SmallWorkload(Workload):
-    """``Workload.mixed`` with 4 requests of 8 to 16 prompt and 8 to 12 output tokens."""
-
-    @classmethod
-    def mixed(cls, tokenize, **_):
-        return Workload.mixed(
-            tokenize, num_requests=4, prompt_lens=(8, 16), output_lens=OUTPUT_LENS
-        )
+from test_bench_tp import SmallWorkload
 
 
 class CountedFile(bench_record.RecordingFile):
@@ -42,6 +29,7 @@ class CountedFile(bench_record.RecordingFile):
 
 def test_two_pairs_of_a_small_workload_give_every_figure(monkeypatch, tmp_path):
     monkeypatch.setattr(bench_record, "Workload", SmallWorkload)
+    monkeypatch.setattr(SmallWorkload, "made", [])
     monkeypatch.setattr(bench_record, "RecordingFile", CountedFile)
     monkeypatch.setattr(CountedFile, "lines", [])
     recorders = []
@@ -64,7 +52,8 @@ def test_two_pairs_of_a_small_workload_give_every_figure(monkeypatch, tmp_path):
     assert summary["seconds_without"] > 0 and summary["seconds_with"] > 0
     assert summary["gpu_blocks"] > 0
     assert len(CountedFile.lines) == 2, "one recorded run a pair"
+    [workload] = SmallWorkload.made
     for lines in CountedFile.lines:
-        assert lines > OUTPUT_LENS[1], f"a header and a line a step: {lines} lines"
+        assert lines > max(workload.output_lens), f"a header and a line a step: {lines} lines"
     assert summary["recording_bytes"] > 0
     assert recorders == [None] * 8, "the recorder is set for a run and taken off after it"

@@ -4,8 +4,6 @@ mid-stream are aborted, and no block is held after; with ``--render`` (Debian's 
 the dashboard's panels are drawn to a PNG from Prometheus's range queries."""
 
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -16,13 +14,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_serve
+from test_monitoring import needs_prometheus
 
 from vkv.metrics.dashboard import PANELS, concrete
 
-needs_prometheus = pytest.mark.skipif(
-    not shutil.which("prometheus") and os.environ.get("VKV_REQUIRE_PROMETHEUS") != "1",
-    reason="Debian's prometheus: apt-get install prometheus (VKV_REQUIRE_PROMETHEUS=1 fails)",
-)
 KEYS = [
     "clients",
     "seconds",

@@ -22,8 +22,8 @@ NUM_REQUESTS = 4
 
 
 class SmallWorkload(Workload):
-    """``Workload.mixed`` with 4 requests of 8 to 16 prompt and 8 to 12 output tokens (the
-    last one made kept in ``made``)."""
+    """``Workload.mixed`` with 4 requests of 8 to 16 prompt and 8 to 12 output tokens (each one
+    made kept in ``made``; ``test_bench_record`` uses it too)."""
 
     made: ClassVar[list[Workload]] = []
 
