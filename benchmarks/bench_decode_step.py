@@ -3,8 +3,9 @@
 The same requests (greedy, ``ignore_eos``) go through one engine per variant, one after the
 other in one process, each warmed up first: tokens per second over the whole run, the median
 time of a full-batch decode step, and on CUDA the share of that step the GPU computes
-(``vkv.bench.gpu_busy_share``, torch.profiler's kernel time over wall time). Ratios are against
-the first variant (the 16-bit cache as the engine runs by default).
+(``vkv.bench.gpu_busy_share``: torch.profiler's kernel time over the wall time of steps run
+without it). Ratios are against the first variant (the 16-bit cache as the engine runs by
+default).
 
 - On CUDA: 16-bit replayed from CUDA graphs (the default), 16-bit eager (``enforce_eager``), and
   INT8 and INT4 caches per token (from graphs too, their NaN refusal a flag on the device), INT8

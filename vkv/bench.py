@@ -27,9 +27,9 @@ Two workloads (``WORKLOADS``): ``mixed`` (64 requests, prompts and outputs of 16
 ``load_format="dummy"`` the engine draws random weights of the checkpoint's shape
 (``loader.dummy_model``) and transformers' model is built from the same ``config.json`` and
 given the same weights. On CUDA the run also reports the GPU-busy share of a full-batch decode
-step: the kernels' time under ``torch.profiler`` over the steps' wall time (the rest is the
-host launching work, or idle). Every run reports the engine's start-up time (``LLMEngine()``:
-the weights and the KV pool).
+step: the kernels' time under ``torch.profiler`` over the wall time of as many steps run
+without it (the rest is the host's work between launches, or idle). Every run reports the
+engine's start-up time (``LLMEngine()``: the weights and the KV pool).
 
 On a CPU both run in this process, on the engine's threads (``vkv.threads``: as many as the
 process may use, spinning briefly when they wait, a setting libgomp reads once, so
@@ -67,7 +67,7 @@ WORKLOADS = {
     "mixed": WorkloadShape(64, (16, 256), (16, 256)),
     "nano-vllm": WorkloadShape(256, (100, 1024), (100, 1024)),
 }
-PROFILED_STEPS = 5  # full-batch decode steps under torch.profiler (CUDA only)
+PROFILED_STEPS = 5  # full-batch decode steps a window of gpu_busy_share (CUDA only)
 
 
 @dataclass(slots=True, frozen=True)
@@ -217,39 +217,57 @@ def transformers_model(engine: LLMEngine, path: Path, load_format: str):
 
 
 def gpu_busy_share(engine: LLMEngine, workload: Workload, batch: int) -> float | None:
-    """The share of wall time the GPU computes over ``PROFILED_STEPS`` decode steps of
-    ``batch`` sequences (the kernels' time, torch.profiler's), or None: off CUDA, with fewer
-    than ``batch`` prompts, or when the pool never holds the batch at once. Leaves no request
-    behind."""
+    """The share of a full-batch decode step's wall time that the GPU computes, or None: off
+    CUDA, with fewer than ``batch`` prompts, or when the pool does not hold the batch at once
+    for three windows of ``PROFILED_STEPS`` decode steps of ``batch`` sequences.
+
+    The kernels' time comes from torch.profiler over the middle window; the wall time from the
+    windows before and after it, unprofiled (their mean: the contexts grow a token a step). The
+    profiler's own host work, a record for each op and launch, lengthens a profiled step but
+    not its kernels, so a wall time taken under it would understate the share. Leaves no
+    request behind."""
     if engine.device.type != "cuda" or len(workload.prompts) < batch:
         return None
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(temperature=0.0, max_tokens=4 * PROFILED_STEPS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8 * PROFILED_STEPS, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in workload.prompts[:batch]]
-    engine.step()
-    while engine.has_unfinished_requests() and not is_full_decode(engine.stats, batch):
+    try:
         engine.step()
-    share = None
-    if engine.has_unfinished_requests():
+        while engine.has_unfinished_requests() and not is_full_decode(engine.stats, batch):
+            engine.step()
+        before = full_decode_seconds(engine, batch)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-            torch.cuda.synchronize(engine.device)
-            started = time.perf_counter()
-            for _ in range(PROFILED_STEPS):
-                engine.step()
-            torch.cuda.synchronize(engine.device)
-            wall_us = (time.perf_counter() - started) * 1e6
-        busy_us = sum(
-            event.self_device_time_total
-            for event in profiler.events()
-            if event.device_type == DeviceType.CUDA and not event.is_user_annotation
-        )
-        share = min(1.0, busy_us / wall_us)
-    for request_id in ids:
-        if not engine.sequence(request_id).is_finished:
-            engine.abort(request_id)
-    return share
+            profiled = full_decode_seconds(engine, batch)
+        after = full_decode_seconds(engine, batch)
+    finally:
+        for request_id in ids:
+            if not engine.sequence(request_id).is_finished:
+                engine.abort(request_id)
+    if before is None or profiled is None or after is None:
+        return None
+    busy_seconds = 1e-6 * sum(
+        event.self_device_time_total
+        for event in profiler.events()
+        if event.device_type == DeviceType.CUDA and not event.is_user_annotation
+    )
+    return min(1.0, busy_seconds / ((before + after) / 2))
+
+
+def full_decode_seconds(engine: LLMEngine, batch: int) -> float | None:
+    """The wall seconds of ``PROFILED_STEPS`` steps, the device waited for at both ends, or None
+    when one of them was not a decode step of ``batch`` sequences."""
+    torch.cuda.synchronize(engine.device)
+    started = time.perf_counter()
+    for _ in range(PROFILED_STEPS):
+        if not engine.has_unfinished_requests():
+            return None
+        engine.step()
+        if not is_full_decode(engine.stats, batch):
+            return None
+    torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - started
 
 
 def run_e2e(

@@ -8,8 +8,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_decode_step
+import pytest
+import torch
 
-from vkv.bench import WorkloadShape
+from vkv.bench import Workload, WorkloadShape, gpu_busy_share
+from vkv.engine.llm_engine import LLMEngine
+from vkv.models.loader import DEFAULT_MODEL
 
 
 def test_every_variant_runs_and_padding_changes_no_completion(tmp_path, monkeypatch, capsys):
@@ -24,3 +28,13 @@ def test_every_variant_runs_and_padding_changes_no_completion(tmp_path, monkeypa
     for row in results.values():
         assert row["tokens_per_s"] > 0 and row["gpu_busy_share"] is None
     assert "16-bit, padded buffers" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's busy share needs a GPU")
+def test_the_gpu_busy_share_of_a_full_batch_is_a_share_and_leaves_no_request():
+    engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=4, device="cuda")
+    prompts = Workload.mixed(lambda text: engine.tokenizer.encode(text).ids, num_requests=4)
+    share = gpu_busy_share(engine, prompts, 4)
+    assert share is not None and 0.0 < share <= 1.0
+    assert not engine.has_unfinished_requests()
+    assert gpu_busy_share(engine, prompts, 5) is None  # fewer prompts than the batch
