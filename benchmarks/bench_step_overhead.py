@@ -24,8 +24,15 @@ the steps here run a little slower than in ``vkv bench e2e``, whose share is the
 With ``--batch 128`` (``max_num_seqs`` and the requests; the GPU check's batch), the phases
 outside the forward estimate what a GPU waits for between two replays of its decode graph: the
 host's own work, which a CUDA graph does not take away (on this CPU the forward is the CPU's).
+``--gpu-path`` runs that host work as the GPU check's decode step does (``bench_decode_step.py``
+on Qwen3-0.6B's shape): decode steps staged into the CUDA-graph path's padded static buffers
+(run eagerly here), no text (a random-weight checkpoint has no tokenizer: the detokenizer
+returns none) and nano-vLLM's lengths (prompts and outputs of 100-1024 tokens), with a KV pool
+that holds them all. There the forward also holds the staging into the buffers; "forward" in
+the table is the model's alone, so the staging counts in "execute rest".
 
-    uv run python benchmarks/bench_step_overhead.py [--rounds 3] [--batch 64] [--out DIR]
+    uv run python benchmarks/bench_step_overhead.py [--rounds 3] [--batch 64] [--gpu-path]
+        [--out DIR]
 """
 
 import argparse
@@ -38,10 +45,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from vkv.bench import Workload, is_full_decode, run_vkv
+from vkv.bench import WORKLOADS, Workload, is_full_decode, run_vkv
+from vkv.engine.decode_graphs import graph_batch_sizes
 from vkv.engine.llm_engine import LLMEngine
+from vkv.engine.outputs import Detokenizer
 from vkv.models.loader import DEFAULT_MODEL
 
+BLOCK_SIZE = 16  # the engine's default
 PHASES = [
     "schedule",
     "block maps",
@@ -145,6 +155,37 @@ def measure(engine: LLMEngine, workload: Workload, rounds: int) -> dict:
     }
 
 
+def plain(batch: int) -> tuple[LLMEngine, Workload]:
+    """vkv-tiny as the engine runs by default on a CPU, and ``batch`` requests of the mixed
+    workload (windows of the pinned corpus)."""
+    engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=batch, device="cpu")
+    workload = Workload.mixed(lambda text: engine.tokenizer.encode(text).ids, num_requests=batch)
+    return engine, workload
+
+
+def gpu_path(batch: int) -> tuple[LLMEngine, Workload]:
+    """vkv-tiny with the host work of the GPU check's decode step: ``batch`` requests of
+    nano-vLLM's lengths, a KV pool that holds them all at once, decode steps staged into the
+    padded static buffers of the CUDA-graph path (run eagerly), and no text."""
+    shape = WORKLOADS["nano-vllm"]
+    max_model_len = shape.prompt_lens[1] + shape.output_lens[1]
+    tables = -(-max_model_len // BLOCK_SIZE)  # blocks a sequence may need
+    engine = LLMEngine(
+        DEFAULT_MODEL,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=batch * tables,
+        max_num_seqs=batch,
+        device="cpu",
+        max_model_len=max_model_len,
+    )
+    engine.runner.use_decode_graphs(graph_batch_sizes(batch), tables, capture=False)
+    engine.outputs.detokenizer = Detokenizer(None)
+    workload = Workload.mixed(
+        lambda text: engine.tokenizer.encode(text).ids, batch, shape.prompt_lens, shape.output_lens
+    )
+    return engine, workload
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -154,17 +195,19 @@ def main() -> None:
         default=64,
         help="max_num_seqs and the number of requests (128: the GPU check's batch)",
     )
+    parser.add_argument(
+        "--gpu-path",
+        action="store_true",
+        help="the GPU check's decode step: padded static buffers, no text, nano-vLLM's lengths",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=args.batch, device="cpu")
-    workload = Workload.mixed(
-        lambda text: engine.tokenizer.encode(text).ids, num_requests=args.batch
-    )
+    engine, workload = gpu_path(args.batch) if args.gpu_path else plain(args.batch)
     summary = measure(engine, workload, args.rounds)
     step = summary["step_us"]
     table = Table(
         title=f"Decode steps of {args.batch} sequences ({summary['steps']} a run), "
-        f"median of {args.rounds}"
+        f"median of {args.rounds}{', the GPU path' if args.gpu_path else ''}"
     )
     for column in ("phase", "us per step", "share of the step"):
         table.add_column(column, justify="left" if column == "phase" else "right")

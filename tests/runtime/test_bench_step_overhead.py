@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_step_overhead
 import pytest
 
-from vkv.bench import Workload
+from vkv.bench import WORKLOADS, Workload, run_vkv
 from vkv.engine.llm_engine import LLMEngine
 from vkv.models.loader import DEFAULT_MODEL
 
@@ -52,3 +52,17 @@ def test_the_script_runs_a_batch_of_the_size_asked(monkeypatch, tmp_path, capsys
     assert result["rounds"] == 1 and result["steps"] > 0
     assert list(result["phases_us"]) == bench_step_overhead.PHASES
     assert "Decode steps of 4 sequences" in capsys.readouterr().out
+
+
+def test_the_gpu_path_decodes_on_the_padded_buffers_without_text():
+    engine, workload = bench_step_overhead.gpu_path(4)
+    shape = WORKLOADS["nano-vllm"]
+    assert len(workload.prompts) == 4
+    assert all(shape.prompt_lens[0] <= len(p) <= shape.prompt_lens[1] for p in workload.prompts)
+    assert all(shape.output_lens[0] <= n <= shape.output_lens[1] for n in workload.output_lens)
+    short = Workload(workload.prompts, [12] * 4)  # the whole lengths take minutes on a CPU
+    result = bench_step_overhead.measure(engine, short, rounds=1)
+    assert result["steps"] >= 10 and engine.runner.decode_graphs.steps >= result["steps"]
+    outputs = run_vkv(engine, Workload(workload.prompts[:1], [3])).completions
+    assert len(outputs[0]) == 3 and engine.decode(outputs[0]) == "", "no tokenizer: no text"
+    assert engine.scheduler.block_manager.num_free_gpu_blocks == engine.config.num_gpu_blocks

@@ -51,14 +51,13 @@ def decode_batch(runner: ModelRunner, lengths: list[int], block_size: int) -> St
     """A decode step of sequences of ``lengths`` cached tokens (the last one new), each in its
     own blocks, numbered from 1 (block 0 stays unused: a stray write there is seen too)."""
     tokens, positions, slots, tables, next_block = [], [], [], [], 1
-    width = -(-max(lengths) // block_size)
     for index, length in enumerate(lengths):
         table = list(range(next_block, next_block + -(-length // block_size)))
         next_block += len(table)
         tokens.append(7 * index + 3)
         positions.append(length - 1)
         slots.append(table[-1] * block_size + (length - 1) % block_size)
-        tables += table + [-1] * (width - len(table))
+        tables.append(table)
     cu = list(range(len(lengths) + 1))
     return StepBatch(tokens, positions, slots, cu, list(lengths), tables, False)
 

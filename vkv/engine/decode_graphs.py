@@ -34,11 +34,11 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
-import numpy as np
 import torch
 
 from vkv.config import Config
 from vkv.engine.cache_engine import CacheShape
+from vkv.engine.staged_tables import StagedTables
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 
 PADDING_SLOT = -1
@@ -99,6 +99,8 @@ class DecodeGraphs:
             name: torch.empty_like(tensor, device="cpu", pin_memory=pinned)
             for name, tensor in self._buffers().items()
         }
+        self.staged["block_tables"].fill_(-1)
+        self.tables = StagedTables(self.staged["block_tables"].numpy())
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -121,10 +123,10 @@ class DecodeGraphs:
         positions: list[int],
         slots: list[int],
         context_lens: list[int],
-        block_tables: list[int],
+        block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """The logits ``[n, vocab]`` of a decode step of n sequences (one token each;
-        ``block_tables`` flattened, n rows of equal width), computed on the padded buffers."""
+        """The logits ``[n, vocab]`` of a decode step of n sequences (one token each, one block
+        table each), computed on the padded buffers."""
         num_seqs = len(tokens)
         size = self.padded_size(num_seqs)
         self._stage(size, tokens, positions, slots, context_lens, block_tables)
@@ -137,7 +139,8 @@ class DecodeGraphs:
         return logits[:num_seqs]
 
     def _stage(self, size, tokens, positions, slots, context_lens, block_tables) -> None:
-        """Write the step's rows and ``size - n`` rows of padding into the static buffers."""
+        """Write the step's rows and ``size - n`` rows of padding into the static buffers (the
+        tables' rows only where a table changed: ``StagedTables``)."""
         n = len(tokens)
         staged = self.staged
         for name, values, fill in (
@@ -149,10 +152,7 @@ class DecodeGraphs:
             row = staged[name][:size].numpy()
             row[:n] = values
             row[n:] = fill
-        tables = staged["block_tables"][:size].numpy()
-        tables.fill(-1)
-        width = len(block_tables) // n if n else 0
-        tables[:n, :width] = np.asarray(block_tables, dtype=np.int32).reshape(n, width)
+        self.tables.stage(block_tables)
         for name, tensor in self._buffers().items():
             tensor[:size].copy_(staged[name][:size], non_blocking=True)
 

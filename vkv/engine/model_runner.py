@@ -43,6 +43,7 @@ from vkv.engine.decode_graphs import DecodeGraphs
 from vkv.engine.key_residual import partial_blocks
 from vkv.engine.scheduler import ScheduledSequence, SchedulerOutput
 from vkv.engine.sequence import Sequence
+from vkv.engine.staged_tables import StagedTables
 from vkv.engine.upload import upload
 from vkv.models.qwen3 import AttentionMetadata, CausalLM
 from vkv.sampling_params import MAX_SEED, SamplingParams
@@ -66,14 +67,14 @@ class TokenLogprobs:
 class StepBatch:
     """A step's tokens as plain lists: ids, positions and cache slots (one per token), the
     sequences' cumulative token counts ``cu_seqlens`` (``[0, ...]``), their context lengths
-    after the step, and their block tables, each padded with -1 to the longest, flattened."""
+    after the step, and their block tables (the sequences' own lists: read, never kept)."""
 
     tokens: list[int]
     positions: list[int]
     slots: list[int]
     cu_seqlens: list[int]
     context_lens: list[int]
-    block_tables: list[int]
+    block_tables: list[list[int]]
     is_prefill: bool
 
 
@@ -140,6 +141,7 @@ class ModelRunner:
         self.clock = ForwardClock(self.device)
         self.thread_limit = torch.get_num_threads()  # the engine's (see vkv.threads)
         self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
+        self.staged_tables = StagedTables()  # the eager path's tables, kept across steps
 
     def use_decode_graphs(self, sizes: list[int], max_blocks: int, capture: bool) -> DecodeGraphs:
         """Run the decode steps of up to ``max(sizes)`` sequences on static buffers padded to
@@ -173,14 +175,8 @@ class ModelRunner:
             cu_seqlens.append(len(tokens))
             context_lens.append(end)
             tables.append(seq.block_table)
-        width = max(map(len, tables))
-        padding = [-1] * width
-        padded: list[int] = []  # the tables, each padded to the longest, in one flat list
-        for table in tables:
-            padded += table
-            padded += padding[len(table) :]
         is_prefill = any(item.is_prefill for item in scheduled)
-        return StepBatch(tokens, positions, slots, cu_seqlens, context_lens, padded, is_prefill)
+        return StepBatch(tokens, positions, slots, cu_seqlens, context_lens, tables, is_prefill)
 
     def tensors(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``batch`` as the model's inputs on this runner's device; plans the key residual."""
@@ -191,11 +187,11 @@ class ModelRunner:
             # torch.tensor does (the block tables above all: a step's costliest input)
             return upload(torch.from_numpy(np.fromiter(values, dtype, len(values))), self.device)
 
-        num_seqs = len(batch.context_lens)
+        tables = self.staged_tables.padded(batch.block_tables)
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
             slot_mapping=tensor(batch.slots, np.int64),
-            block_tables=tensor(batch.block_tables).view(num_seqs, -1),
+            block_tables=upload(torch.from_numpy(tables), self.device),
             context_lens=tensor(batch.context_lens),
             cu_seqlens_q=tensor(batch.cu_seqlens),
             max_context_len=max(batch.context_lens),
@@ -287,24 +283,27 @@ class ModelRunner:
             Draw(index, seq.sampling_params, history(seq), seq.num_tokens)
             for index, seq in enumerate(item.seq for item in scheduled)
         ]
-        for index, item in enumerate(scheduled):  # the other samples' first tokens, the same row
-            for params in (more_samples or {}).get(item.seq.seq_id, ()):
+        for index, item in enumerate(scheduled if more_samples else ()):  # n > 1: same row
+            for params in more_samples.get(item.seq.seq_id, ()):
                 draws.append(Draw(index, params, [], item.seq.num_tokens))
+        asking = [index for index, draw in enumerate(draws) if draw.params.logprobs is not None]
         drawn = draw_tokens(logits, draws)
         # the tokens are on the host: the step is over on the device too, nothing waits here
         self.model_seconds += self.clock.seconds()
         self.cache_engine.raise_if_refused()
-        for index, (draw, token) in enumerate(zip(draws, drawn, strict=True)):
-            seq_id, asked = scheduled[draw.row].seq.seq_id, draw.params.logprobs
-            entry = None if asked is None else token_logprobs(logits[draw.row], token, asked)
-            if index < len(scheduled):  # the sequence's own token
-                if entry is not None:
-                    self.logprobs[seq_id] = entry
-                continue
-            self.more_tokens.setdefault(seq_id, []).append(token)
-            if entry is not None:
+        own = len(scheduled)
+        for index in asking:  # in order: a sequence's other samples' entries follow theirs
+            draw = draws[index]
+            entry = token_logprobs(logits[draw.row], drawn[index], draw.params.logprobs)
+            seq_id = scheduled[draw.row].seq.seq_id
+            if index < own:  # the sequence's own token
+                self.logprobs[seq_id] = entry
+            else:
                 self.more_logprobs.setdefault(seq_id, []).append(entry)
-        return drawn[: len(scheduled)]
+        for index in range(own, len(draws)):  # the other samples' first tokens, in order
+            seq_id = scheduled[draws[index].row].seq.seq_id
+            self.more_tokens.setdefault(seq_id, []).append(drawn[index])
+        return drawn[:own]
 
 
 def adjust_logits(

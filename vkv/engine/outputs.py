@@ -65,7 +65,9 @@ class Detokenizer:
         ``prefix_offset`` (a few tokens of context, so that a tokenizer's spacing comes out as
         in the whole) with and without them, and return the difference. While the sequence
         runs, text that ends in U+FFFD waits: a character's last bytes are still to come.
-        Costs O(new tokens) a step, not O(all tokens)."""
+        Costs O(new tokens) a step, not O(all tokens); nothing without a tokenizer."""
+        if self.tokenizer is None:  # every text is empty: no window to copy and decode
+            return ""
         before = self.decode(tokens[state.prefix_offset : state.read_offset])
         after = self.decode(tokens[state.prefix_offset :])
         if len(after) <= len(before) or (after.endswith(INCOMPLETE_CHARACTER) and not finished):
