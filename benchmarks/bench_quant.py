@@ -39,7 +39,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from vkv import LLM, SamplingParams
+from vkv import LLM
+from vkv.bench import benchmark_params
 from vkv.engine.cache_engine import CacheEngine, CacheShape
 from vkv.kernels import reference
 from vkv.models.qwen3 import AttentionMetadata
@@ -110,7 +111,7 @@ def generate_all(
 ) -> dict[str, tuple[list[list[int]], float]]:
     """Each format's greedy completions of ``max_tokens`` and its fastest decode speed (tokens
     per second) over ``rounds`` interleaved runs, after one warm-up run each."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = benchmark_params(max_tokens)
     engines = {
         name: LLM(
             kv_cache_dtype=kv,

@@ -12,7 +12,8 @@ requests (windows of the pinned corpus, greedy, ``ignore_eos``) while every phas
                   gather of each sequence's last logits; a decode step has one row each)
     execute rest  the rest of ModelRunner.execute: the per-layer caches, sampling
     postprocess   Scheduler.postprocess
-    detokenize    LLMEngine._output (incremental detokenizer, RequestOutput)
+    detokenize    LLMEngine._output (incremental detokenizer, RequestOutput; the requests are
+                  final-only, as in ``vkv bench e2e``: while one runs, only a check)
     metrics       LLMEngine._record (the Prometheus StatLogger)
     other         what is left of the step (the step's stats, bookkeeping)
 

@@ -150,10 +150,18 @@ def is_full_decode(stats: dict[str, float], full_batch: int) -> bool:
     return stats["running"] == full_batch and stats["batched_tokens"] == full_batch
 
 
+def benchmark_params(max_tokens: int) -> SamplingParams:
+    """A benchmark's request: greedy, ``max_tokens`` long whatever it draws, and one output,
+    when it finishes (``output_kind="final_only"``, which vLLM's ``LLM.generate`` sets too)."""
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind="final_only"
+    )
+
+
 def run_vkv(engine: LLMEngine, workload: Workload) -> VkvRun:
     """Serve the workload at once; the time, the completions and every step's stats."""
     ids = [
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        engine.add_request(prompt, benchmark_params(n))
         for prompt, n in zip(workload.prompts, workload.output_lens, strict=True)
     ]
     steps = []
@@ -231,8 +239,10 @@ def gpu_busy_share(engine: LLMEngine, workload: Workload, batch: int) -> float |
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(temperature=0.0, max_tokens=8 * PROFILED_STEPS, ignore_eos=True)
-    ids = [engine.add_request(prompt, params) for prompt in workload.prompts[:batch]]
+    ids = [
+        engine.add_request(prompt, benchmark_params(8 * PROFILED_STEPS))
+        for prompt in workload.prompts[:batch]
+    ]
     try:
         engine.step()
         while engine.has_unfinished_requests() and not is_full_decode(engine.stats, batch):

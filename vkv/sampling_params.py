@@ -16,6 +16,7 @@ SAMPLING_EPS = 1e-5  # a temperature below it samples greedily (vLLM's bound)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI chat's top_logprobs)
+OUTPUT_KINDS = ("cumulative", "final_only")  # vLLM's RequestOutputKind, less DELTA
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +47,12 @@ class SamplingParams:
     - ``stop``: strings that end the completion (a string or a sequence of non-empty strings;
       kept as a tuple): the engine checks the text each step, and a sequence whose text
       contains one finishes with ``finish_reason`` "stop", its text cut before the string.
+    - ``output_kind``: which outputs ``LLMEngine.step`` returns for the request (vLLM's
+      ``RequestOutputKind``): "cumulative", one each step that touches it, with everything so
+      far and what is new; "final_only", one, when it finishes, with everything. A final-only
+      request costs a step no copy of its tokens and no output; its text is decoded once, at
+      the end (each step where a stop string needs it). ``vkv.bench`` serves its requests so,
+      as vLLM's ``LLM.generate`` does.
     """
 
     temperature: float = 1.0
@@ -60,6 +67,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         _require(_is_real(self.temperature), "temperature", "a finite number", self.temperature)
@@ -100,6 +108,8 @@ class SamplingParams:
             _require(_is_int(self.logprobs), "logprobs", "an integer or None", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        kinds = " or ".join(map(repr, OUTPUT_KINDS))
+        _require(self.output_kind in OUTPUT_KINDS, "output_kind", kinds, self.output_kind)
 
     @property
     def greedy(self) -> bool:

@@ -76,6 +76,47 @@ def test_the_generation_tokens_counted_are_the_tokens_returned(llm):
 
 
 @pytest.mark.parametrize(
+    "options",
+    [
+        {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True},
+        {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, "stop": ["):", "\n    "]},
+        {"temperature": 0.9, "seed": 3, "max_tokens": 30, "n": 2, "logprobs": 2, "stop": "\n"},
+    ],
+    ids=["greedy", "stop strings", "n=2 with logprobs"],
+)
+def test_a_final_only_request_returns_one_output_holding_what_a_cumulative_one_ends_with(
+    llm, options
+):
+    """The same request twice in one batch, one streamed and one final-only: the final-only
+    one returns one output per sample, when it finishes, equal to the streamed one's last in
+    everything it holds so far; the metrics count both requests' tokens alike."""
+    engine = llm.engine
+    before = engine.metrics.value("generation_tokens_total")
+    kinds = {
+        engine.add_request(PROMPT, SamplingParams(**options, output_kind=kind)): kind
+        for kind in ("cumulative", "final_only")
+    }
+    seen: dict[str, dict[int, list]] = {kind: {} for kind in kinds.values()}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[kinds[output.request_id]].setdefault(output.index, []).append(output)
+    streamed, final = seen["cumulative"], seen["final_only"]
+    assert sorted(final) == sorted(streamed) == list(range(options.get("n", 1)))
+    for index, (output,) in final.items():
+        last = streamed[index][-1]
+        assert output.finished and len(streamed[index]) > 1
+        for field in ("token_ids", "text", "finish_reason", "error"):
+            assert getattr(output, field) == getattr(last, field), field
+        assert output.new_token_ids == output.token_ids and output.new_text == output.text
+        if "logprobs" in options:  # each output holds its new tokens' logprobs
+            assert output.logprobs == [entry for o in streamed[index] for entry in o.logprobs]
+            assert len(output.logprobs) == len(output.token_ids)
+    returned = sum(len(outs[-1].token_ids) for kind in seen.values() for outs in kind.values())
+    assert engine.metrics.value("generation_tokens_total") - before == returned
+    assert engine.stats["gpu_kv_usage"] == 0
+
+
+@pytest.mark.parametrize(
     ("options", "said"),
     [
         ({"stop": [""]}, "stop must be a string or a list of non-empty strings, got ['']"),
@@ -92,6 +133,8 @@ def test_the_generation_tokens_counted_are_the_tokens_returned(llm):
         ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),
         ({"logprobs": -1}, "logprobs must be in [0, 20], got -1"),
         ({"logprobs": True}, "logprobs must be an integer or None, got True"),
+        ({"output_kind": "delta"}, "output_kind must be 'cumulative' or 'final_only', got 'delta'"),
+        ({"output_kind": None}, "output_kind must be 'cumulative' or 'final_only', got None"),
     ],
 )
 def test_bad_sampling_options_are_refused_naming_the_field(options, said):

@@ -1,7 +1,8 @@
 """LLMEngine: requests in, text out, one scheduler step at a time (the names are vLLM's).
 
 ``add_request`` tokenizes and queues a prompt, ``step`` runs one scheduler step through the
-model and returns what each request gained (new text for streaming, and whether it finished),
+model and returns what each request gained (new text for streaming, and whether it finished;
+a final-only request, ``SamplingParams.output_kind``, returns everything once, when it ends),
 ``abort`` drops a request, ``stats`` describes the engine after the last step (its queues and
 KV usage also after an abort). Bad input (an
 empty prompt, one longer than ``max_model_len``, text without a tokenizer) raises at
@@ -386,7 +387,8 @@ class LLMEngine:
         return not self.scheduler.is_finished()
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; what each request it touched gained.
+        """One scheduler step; what each request it touched gained (a final-only request:
+        nothing until the step it finishes in, then everything).
 
         ``stats`` then holds the queues (running, waiting, swapped), the KV usage of each pool,
         the preemptions so far, the blocks this step swapped out and in and copied on write,
@@ -408,8 +410,9 @@ class LLMEngine:
             parent = self._requests[seq_id]
             if parent.num_completion_tokens == 1:
                 touched += self._fork_samples(parent, forks[seq_id], firsts)
-        outputs = [self._output(seq) for seq in touched]
-        self._record(out, touched, outputs)
+        reported = [(seq, self._output(seq)) for seq in touched]
+        outputs = [output for _, output in reported if output is not None]
+        self._record(out, touched, reported)
         if self.recorder is not None:
             self.recorder.record(self, out)
         elapsed = time.perf_counter() - started
@@ -426,18 +429,21 @@ class LLMEngine:
         return outputs
 
     def _record(
-        self, out: SchedulerOutput, touched: list[Sequence], outputs: list[RequestOutput]
+        self,
+        out: SchedulerOutput,
+        touched: list[Sequence],
+        reported: list[tuple[Sequence, RequestOutput | None]],
     ) -> None:
         """The step in the metrics (``StatLogger``): the state and events, the tokens gained,
-        the sequences finished; nothing without a logger (Phase 5 not done)."""
+        the sequences finished (each with its final output); nothing without a logger (Phase 5
+        not done)."""
         if self.stat_logger is None:
             return
         now = time.monotonic()
         self.stat_logger.record_step(out, self.scheduler, now)
-        pairs = list(zip(touched, outputs, strict=True))
-        self.stat_logger.record_tokens([seq for seq, o in pairs if o.new_token_ids], now)
-        for seq, output in pairs:
-            if output.finished:
+        self.stat_logger.record_tokens([s for s in touched if self.outputs.took_tokens(s)], now)
+        for seq, output in reported:
+            if output is not None and output.finished:
                 self.stat_logger.record_finished(seq, output.finish_reason, now)
 
     def _execute(
@@ -479,12 +485,19 @@ class LLMEngine:
         self.scheduler.abort(seq.seq_id)
         print(f"vkv: request {seq.seq_id} failed: {reason}", file=sys.stderr)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        """What the sequence gained since its last output (``OutputProcessor``). A stop string
-        in its text finishes it here, as FINISHED_STOPPED, before another step can run it."""
+    def _output(self, seq: Sequence) -> RequestOutput | None:
+        """What the sequence gained since its last output (``OutputProcessor``); None while a
+        final-only request runs (``SamplingParams.output_kind``). A stop string in its text
+        finishes it here, as FINISHED_STOPPED, before another step can run it."""
+        params = seq.sampling_params
+        final_only = params.output_kind == "final_only"
+        if final_only and not params.stop and not seq.is_finished:
+            return None  # no text to check: nothing to copy or decode until it ends
         completion = seq.completion_token_ids
         if self.outputs.reaches_stop(seq, completion):
             self._finish_stopped(seq)
+        if final_only and not seq.is_finished:
+            return None
         return self.outputs.output(seq, completion)
 
     def _finish_stopped(self, seq: Sequence) -> None:

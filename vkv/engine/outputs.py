@@ -41,9 +41,10 @@ class Detokenized:
     """What a sequence has returned: tokens (``sent``), the text decoded from its tokens
     (through ``read_offset``; ``text``, cut before a stop string) and how much of it went out
     (``returned`` characters); ``hold``, how many of the text's last characters wait while it
-    runs (``held_back`` of its stop strings)."""
+    runs (``held_back`` of its stop strings); ``counted``, its tokens the metrics have seen."""
 
     sent: int = 0
+    counted: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""
@@ -111,6 +112,14 @@ class OutputProcessor:
     def forget(self, seq_id: int) -> None:
         for records in (self.sample_of, self.streamed, self.errors, self.logprobs):
             records.pop(seq_id, None)
+
+    def took_tokens(self, seq: Sequence) -> bool:
+        """Whether the sequence's completion grew since the last call (each step's count of
+        tokens gained, whichever outputs it returns)."""
+        state = self.streamed[seq.seq_id]
+        count = seq.num_completion_tokens
+        grew, state.counted = count > state.counted, count
+        return grew
 
     def keep_logprobs(self, seq: Sequence, entry: TokenLogprobs) -> None:
         """Keep the logprobs of the token a step appended: one entry per completion token (a
