@@ -4,7 +4,9 @@ Neither what-if is a usable engine; each bounds what making that cost smaller co
 
 1. ``step``: ``vkv bench e2e``'s workload (64 requests on vkv-tiny) three ways, interleaved round
    by round: as it is; without detokenization (every step's new text is empty); without
-   detokenization and without metrics (no ``StatLogger`` call). Per way, the median over the
+   detokenization and without metrics (no ``StatLogger`` call). Its requests are final-only
+   (``vkv.bench.benchmark_params``): their text is decoded once each, when they finish, so the
+   first two ways now differ by that alone. Per way, the median over the
    rounds of the share of full decode step time outside the model's forward (as ``vkv bench
    e2e`` counts it), the step and the host time in it.
 2. ``scheduler``: ``bench_scheduler.py``'s six configurations, interleaved round by round: vkv
@@ -41,7 +43,7 @@ def no_text(state, tokens, finished) -> str:
     return ""
 
 
-def no_metrics(out, touched, outputs) -> None:
+def no_metrics(out, touched, reported) -> None:
     """Metrics taken out: nothing recorded."""
 
 
