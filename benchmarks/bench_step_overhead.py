@@ -27,9 +27,9 @@ outside the forward estimate what a GPU waits for between two replays of its dec
 host's own work, which a CUDA graph does not take away (on this CPU the forward is the CPU's).
 ``--gpu-path`` runs that host work as the GPU check's decode step does (``bench_decode_step.py``
 on Qwen3-0.6B's shape): decode steps staged into the CUDA-graph path's padded static buffers
-(run eagerly here), no text (a random-weight checkpoint has no tokenizer: the detokenizer
-returns none) and nano-vLLM's lengths (prompts and outputs of 100-1024 tokens), with a KV pool
-that holds them all. There the forward also holds the staging into the buffers; "forward" in
+(run eagerly here) and nano-vLLM's lengths (prompts and outputs of 100-1024 tokens), with a KV
+pool that holds them all (that checkpoint's random weights come with vkv-tiny's byte-level
+tokenizer, as here). There the forward also holds the staging into the buffers; "forward" in
 the table is the model's alone, so the staging counts in "execute rest".
 
     uv run python benchmarks/bench_step_overhead.py [--rounds 3] [--batch 64] [--gpu-path]
@@ -49,7 +49,6 @@ from rich.table import Table
 from vkv.bench import WORKLOADS, Workload, is_full_decode, run_vkv
 from vkv.engine.decode_graphs import graph_batch_sizes
 from vkv.engine.llm_engine import LLMEngine
-from vkv.engine.outputs import Detokenizer
 from vkv.models.loader import DEFAULT_MODEL
 
 BLOCK_SIZE = 16  # the engine's default
@@ -167,7 +166,7 @@ def plain(batch: int) -> tuple[LLMEngine, Workload]:
 def gpu_path(batch: int) -> tuple[LLMEngine, Workload]:
     """vkv-tiny with the host work of the GPU check's decode step: ``batch`` requests of
     nano-vLLM's lengths, a KV pool that holds them all at once, decode steps staged into the
-    padded static buffers of the CUDA-graph path (run eagerly), and no text."""
+    padded static buffers of the CUDA-graph path (run eagerly)."""
     shape = WORKLOADS["nano-vllm"]
     max_model_len = shape.prompt_lens[1] + shape.output_lens[1]
     tables = -(-max_model_len // BLOCK_SIZE)  # blocks a sequence may need
@@ -180,7 +179,6 @@ def gpu_path(batch: int) -> tuple[LLMEngine, Workload]:
         max_model_len=max_model_len,
     )
     engine.runner.use_decode_graphs(graph_batch_sizes(batch), tables, capture=False)
-    engine.outputs.detokenizer = Detokenizer(None)
     workload = Workload.mixed(
         lambda text: engine.tokenizer.encode(text).ids, batch, shape.prompt_lens, shape.output_lens
     )
@@ -199,7 +197,7 @@ def main() -> None:
     parser.add_argument(
         "--gpu-path",
         action="store_true",
-        help="the GPU check's decode step: padded static buffers, no text, nano-vLLM's lengths",
+        help="the GPU check's decode step: padded static buffers, nano-vLLM's lengths",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()

@@ -54,7 +54,7 @@ def test_the_script_runs_a_batch_of_the_size_asked(monkeypatch, tmp_path, capsys
     assert "Decode steps of 4 sequences" in capsys.readouterr().out
 
 
-def test_the_gpu_path_decodes_on_the_padded_buffers_without_text():
+def test_the_gpu_path_decodes_nano_vllm_lengths_on_the_padded_buffers():
     engine, workload = bench_step_overhead.gpu_path(4)
     shape = WORKLOADS["nano-vllm"]
     assert len(workload.prompts) == 4
@@ -63,6 +63,5 @@ def test_the_gpu_path_decodes_on_the_padded_buffers_without_text():
     short = Workload(workload.prompts, [12] * 4)  # the whole lengths take minutes on a CPU
     result = bench_step_overhead.measure(engine, short, rounds=1)
     assert result["steps"] >= 10 and engine.runner.decode_graphs.steps >= result["steps"]
-    outputs = run_vkv(engine, Workload(workload.prompts[:1], [3])).completions
-    assert len(outputs[0]) == 3 and engine.decode(outputs[0]) == "", "no tokenizer: no text"
+    assert len(run_vkv(engine, Workload(workload.prompts[:1], [3])).completions[0]) == 3
     assert engine.scheduler.block_manager.num_free_gpu_blocks == engine.config.num_gpu_blocks
