@@ -9,7 +9,10 @@ requests (windows of the pinned corpus, greedy, ``ignore_eos``) while every phas
     block maps    ModelRunner.apply_block_maps (swaps and copies on write)
     prepare       ModelRunner.batch_of and .tensors (token ids, positions, slots, block tables)
     forward       the model (the engine's model time also holds, in a step with a prefill, the
-                  gather of each sequence's last logits; a decode step has one row each)
+                  gather of each sequence's last logits; a decode step has one row each); on
+                  CUDA, a decode step replayed from its graph: the replay's launch alone
+    sample        model_runner.draw_tokens, the tokens drawn and read back (on CUDA, also the
+                  wait for the step's kernels: the GPU's time less what the host overlapped)
     execute rest  the rest of ModelRunner.execute: the per-layer caches, sampling
     postprocess   Scheduler.postprocess
     detokenize    LLMEngine._output (incremental detokenizer, RequestOutput; the requests are
@@ -47,6 +50,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vkv.bench import WORKLOADS, Workload, is_full_decode, run_vkv
+from vkv.engine import model_runner
 from vkv.engine.decode_graphs import graph_batch_sizes
 from vkv.engine.llm_engine import LLMEngine
 from vkv.models.loader import DEFAULT_MODEL
@@ -57,6 +61,7 @@ PHASES = [
     "block maps",
     "prepare",
     "forward",
+    "sample",
     "execute rest",
     "postprocess",
     "detokenize",
@@ -66,16 +71,21 @@ PHASES = [
 
 
 class PhaseTimer:
-    """Wraps methods of one engine's parts with timers that add up each phase's seconds."""
+    """Wraps methods of one engine's parts with timers that add up each phase's seconds, until
+    ``restore`` puts the methods back."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.seconds: dict[str, float] = {}
+        self.wrapped: list[tuple[object, str, Callable]] = []  # owner, name, what it had
         runner = engine.runner
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(runner, "apply_block_maps", "block maps")
         self._wrap(runner, "batch_of", "prepare")
         self._wrap(runner, "tensors", "prepare")
         self._wrap(runner.model, "forward", "forward")
+        for graph in getattr(runner.decode_graphs, "graphs", {}).values():  # CUDA: launched only
+            self._wrap(graph, "replay", "forward")
+        self._wrap(model_runner, "draw_tokens", "sample")
         self._wrap(runner, "execute", "execute")
         self._wrap(engine.scheduler, "postprocess", "postprocess")
         self._wrap(engine, "_output", "detokenize")
@@ -91,14 +101,26 @@ class PhaseTimer:
             finally:
                 self.seconds[phase] = self.seconds.get(phase, 0.0) + (time.perf_counter() - started)
 
+        self.wrapped.append((owner, name, vars(owner).get(name)))
         setattr(owner, name, timed)  # an instance attribute: the class is left as it was
 
+    def restore(self) -> None:
+        """Every method as it was: a module's function put back, an instance's own timer
+        removed (its class's method shows through again)."""
+        for owner, name, held in reversed(self.wrapped):
+            if held is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, held)
+        self.wrapped = []
+
     def step_phases(self, step_seconds: float) -> dict[str, float]:
-        """The phases of the step just run (execute's own time less prepare and forward; what
-        no phase covers is "other"); then start over."""
+        """The phases of the step just run (execute's own time less prepare, forward and sample;
+        what no phase covers is "other"); then start over."""
         seconds = {phase: self.seconds.get(phase, 0.0) for phase in PHASES if phase != "other"}
         execute = self.seconds.get("execute", 0.0)
-        seconds["execute rest"] = execute - seconds["prepare"] - seconds["forward"]
+        inside = ("prepare", "forward", "sample")  # execute's phases
+        seconds["execute rest"] = execute - sum(seconds[phase] for phase in inside)
         seconds["other"] = step_seconds - sum(seconds.values())
         self.seconds = {}
         return seconds
@@ -142,8 +164,11 @@ def measure_round(engine: LLMEngine, timer: PhaseTimer, workload: Workload) -> d
 def measure(engine: LLMEngine, workload: Workload, rounds: int) -> dict:
     """``rounds`` runs after a warm-up; medians of each figure over the rounds."""
     timer = PhaseTimer(engine)
-    run_vkv(engine, Workload(workload.prompts[:2], [4, 4]))
-    results = [measure_round(engine, timer, workload) for _ in range(rounds)]
+    try:
+        run_vkv(engine, Workload(workload.prompts[:2], [4, 4]))
+        results = [measure_round(engine, timer, workload) for _ in range(rounds)]
+    finally:
+        timer.restore()
     return {
         "rounds": rounds,
         "steps": results[0]["steps"],
@@ -155,30 +180,34 @@ def measure(engine: LLMEngine, workload: Workload, rounds: int) -> dict:
     }
 
 
-def plain(batch: int) -> tuple[LLMEngine, Workload]:
-    """vkv-tiny as the engine runs by default on a CPU, and ``batch`` requests of the mixed
+def plain(batch: int, **engine_options) -> tuple[LLMEngine, Workload]:
+    """An engine as it runs by default (vkv-tiny on a CPU unless ``engine_options`` say
+    otherwise: ``model``, ``device``, ``load_format``), and ``batch`` requests of the mixed
     workload (windows of the pinned corpus)."""
-    engine = LLMEngine(DEFAULT_MODEL, max_num_seqs=batch, device="cpu")
+    options = {"model": DEFAULT_MODEL, "device": "cpu"} | engine_options
+    engine = LLMEngine(max_num_seqs=batch, **options)
     workload = Workload.mixed(lambda text: engine.tokenizer.encode(text).ids, num_requests=batch)
     return engine, workload
 
 
-def gpu_path(batch: int) -> tuple[LLMEngine, Workload]:
-    """vkv-tiny with the host work of the GPU check's decode step: ``batch`` requests of
-    nano-vLLM's lengths, a KV pool that holds them all at once, decode steps staged into the
-    padded static buffers of the CUDA-graph path (run eagerly)."""
+def gpu_path(batch: int, **engine_options) -> tuple[LLMEngine, Workload]:
+    """The host work of the GPU check's decode step: ``batch`` requests of nano-vLLM's lengths,
+    a KV pool that holds them all at once, and decode steps replayed from CUDA graphs (on a
+    CPU: staged into the graphs' padded static buffers and run eagerly). vkv-tiny on a CPU
+    unless ``engine_options`` say otherwise (``model``, ``device``, ``load_format``)."""
     shape = WORKLOADS["nano-vllm"]
     max_model_len = shape.prompt_lens[1] + shape.output_lens[1]
     tables = -(-max_model_len // BLOCK_SIZE)  # blocks a sequence may need
+    options = {"model": DEFAULT_MODEL, "device": "cpu"} | engine_options
     engine = LLMEngine(
-        DEFAULT_MODEL,
         block_size=BLOCK_SIZE,
         num_gpu_blocks=batch * tables,
         max_num_seqs=batch,
-        device="cpu",
         max_model_len=max_model_len,
+        **options,
     )
-    engine.runner.use_decode_graphs(graph_batch_sizes(batch), tables, capture=False)
+    if engine.runner.decode_graphs is None:  # not captured (a CPU): the buffers, run eagerly
+        engine.runner.use_decode_graphs(graph_batch_sizes(batch), tables, capture=False)
     workload = Workload.mixed(
         lambda text: engine.tokenizer.encode(text).ids, batch, shape.prompt_lens, shape.output_lens
     )
@@ -197,16 +226,21 @@ def main() -> None:
     parser.add_argument(
         "--gpu-path",
         action="store_true",
-        help="the GPU check's decode step: padded static buffers, nano-vLLM's lengths",
+        help="the GPU check's decode step: CUDA graphs (padded buffers), nano-vLLM's lengths",
     )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a checkpoint folder")
+    parser.add_argument("--load-format", default="auto", help="auto, or dummy: random weights")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    engine, workload = gpu_path(args.batch) if args.gpu_path else plain(args.batch)
+    options = {"model": args.model, "device": args.device, "load_format": args.load_format}
+    setup = gpu_path if args.gpu_path else plain
+    engine, workload = setup(args.batch, **options)
     summary = measure(engine, workload, args.rounds)
     step = summary["step_us"]
     table = Table(
-        title=f"Decode steps of {args.batch} sequences ({summary['steps']} a run), "
-        f"median of {args.rounds}{', the GPU path' if args.gpu_path else ''}"
+        title=f"Decode steps of {args.batch} sequences ({summary['steps']} a run) on "
+        f"{args.device}, median of {args.rounds}{', the GPU path' if args.gpu_path else ''}"
     )
     for column in ("phase", "us per step", "share of the step"):
         table.add_column(column, justify="left" if column == "phase" else "right")
@@ -217,7 +251,8 @@ def main() -> None:
     console.print(table)
     console.print(f"outside the model (as vkv bench e2e counts it): {summary['outside_model']:.1%}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_step_overhead.json").write_text(json.dumps(summary, indent=2))
+    record = {**summary, **options, "batch": args.batch, "gpu_path": args.gpu_path}
+    (args.out / "bench_step_overhead.json").write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

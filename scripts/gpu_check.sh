@@ -11,17 +11,20 @@
 #    nano-vLLM's lengths, 128 requests): 16-bit from CUDA graphs and eager, INT8 and INT4;
 #    tokens/s, a full-batch decode step's time and GPU-busy share;
 # 3. e2e: `vkv bench e2e --device cuda` on the same weights and lengths against transformers;
-# 4. tests: the GPU-path tests (tests/runtime, Phase 3's graded and hidden tests) with CUDA
+# 4. host: benchmarks/bench_step_overhead.py --gpu-path on the same shape and lengths, 128
+#    sequences replayed from CUDA graphs: the host's work in a full decode step, phase by phase
+#    ("sample" holds the wait for the GPU);
+# 5. tests: the GPU-path tests (tests/runtime, Phase 3's graded and hidden tests) with CUDA
 #    present (the CUDA-graph test and the Triton layer ops among them);
-# 5. decode_sweep: bench_decode_kernel.py --sweep, each format's fastest launch options (tokens
+# 6. decode_sweep: bench_decode_kernel.py --sweep, each format's fastest launch options (tokens
 #    a tile, warps, stages, keys per channel folded or not, a quantized format's per-token
 #    scales folded or not) against the defaults (saved after each format: one cut short keeps
 #    the formats before it, 16-bit and per token first);
-# 6. startup: how long LLM() takes to start with vkv-tiny (the bar: 10 s).
+# 7. startup: how long LLM() takes to start with vkv-tiny (the bar: 10 s).
 #
-# All stages' limits add up to about 15 minutes, more than one 10-minute call on a lent
+# All stages' limits add up to about 18 minutes, more than one 10-minute call on a lent
 # device: run them as two calls, the bars first (STAGES="decode_kernel decode_step e2e", at
-# most 530 s, then STAGES="tests decode_sweep startup", at most 390 s, the same OUT); the
+# most 530 s, then STAGES="host tests decode_sweep startup", at most 540 s, the same OUT); the
 # summary reads what is there. OUT/stages.txt gives each stage's exit status and seconds.
 #
 # Runs with the machine's own python3 (torch, Triton, transformers, pytest), no uv, the tree on
@@ -47,7 +50,7 @@ elif ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() 
     exit 2
 fi
 mkdir -p "$OUT"
-STAGES=${STAGES:-decode_kernel decode_step e2e tests decode_sweep startup}
+STAGES=${STAGES:-decode_kernel decode_step e2e host tests decode_sweep startup}
 for name in $STAGES; do  # this run's stages start afresh; what another run left stays
     rm -f "$OUT/$name.log" "$OUT/$name.json"
     [ "$name" != tests ] || rm -f "$OUT/tests.xml"
@@ -75,6 +78,8 @@ stage decode_step 240 "$PYTHON" benchmarks/bench_decode_step.py \
 stage e2e 200 "$PYTHON" -m vkv.cli bench e2e --device cuda --load-format dummy \
     --model vkv/models/shapes/qwen3-0.6b --workload nano-vllm --requests 128 \
     --max-num-seqs 128 --hf-batch 128 --repeat 1 --output "$OUT/e2e.json"
+stage host 150 "$PYTHON" benchmarks/bench_step_overhead.py --device cuda --gpu-path \
+    --model vkv/models/shapes/qwen3-0.6b --load-format dummy --batch 128 --rounds 1 --out "$OUT"
 stage tests "$TESTS_LIMIT" "$PYTHON" -m pytest tests/runtime tests/test_phase3.py \
     tests/hidden/test_phase3_hidden.py -q -n "$WORKERS" -p no:cacheprovider \
     --continue-on-collection-errors --timeout 150 --junitxml "$OUT/tests.xml"

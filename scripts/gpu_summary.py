@@ -119,6 +119,16 @@ def report(result: dict) -> None:
             f"{e2e['startup_seconds']:.1f} s; GPU busy "
             f"{'unmeasured' if busy is None else format(busy, '.1%')} of a full decode step"
         )
+    host = result["host"]
+    if host:
+        phases = host["phases_us"]
+        work = host["step_us"] - phases["sample"]  # the sample phase waits for the GPU
+        print(
+            f"host ({host['batch']} sequences): a full decode step {host['step_us']:,.0f} us, "
+            f"{phases['sample']:,.0f} us of it in sample (the wait for the GPU), "
+            f"{work:,.0f} us the host's work"
+        )
+        print("  " + ", ".join(f"{p} {us:,.0f}" for p, us in phases.items() if p != "sample"))
     print(f"stages that did not finish cleanly: {', '.join(result['unclean']) or 'none'}")
 
 
@@ -138,6 +148,7 @@ def main(out: Path) -> int:
         "decode_sweep": read_json(out / "decode_sweep.json"),
         "decode_step": read_json(out / "decode_step.json"),
         "e2e": read_json(out / "e2e.json"),
+        "host": read_json(out / "bench_step_overhead.json"),
     }
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
     report(result)

@@ -10,6 +10,7 @@ import bench_step_overhead
 import pytest
 
 from vkv.bench import WORKLOADS, Workload, run_vkv
+from vkv.engine import model_runner
 from vkv.engine.llm_engine import LLMEngine
 from vkv.models.loader import DEFAULT_MODEL
 
@@ -31,7 +32,15 @@ def test_every_phase_is_timed_and_they_add_up_to_the_step(summary):
     phases = result["phases_us"]
     assert list(phases) == bench_step_overhead.PHASES
     assert result["steps"] >= 10, "4 requests of at least 12 tokens decode as a full batch"
-    for phase in ("schedule", "prepare", "forward", "postprocess", "detokenize", "metrics"):
+    for phase in (
+        "schedule",
+        "prepare",
+        "forward",
+        "sample",
+        "postprocess",
+        "detokenize",
+        "metrics",
+    ):
         assert phases[phase] > 0, f"{phase} was not timed"
     assert phases["execute rest"] >= 0 and abs(phases["other"]) < 0.2 * result["step_us"], (
         f"the timed phases cover most of the step: {phases}, step {result['step_us']:.0f} us"
@@ -42,6 +51,14 @@ def test_every_phase_is_timed_and_they_add_up_to_the_step(summary):
 def test_the_engine_is_left_as_it_was(summary):
     _, engine = summary
     assert "step" not in vars(engine), "the timed step is removed after each round"
+    for owner, name in [
+        (engine, "_output"),
+        (engine.runner, "execute"),
+        (engine.runner.model, "forward"),
+    ]:
+        assert name not in vars(owner), f"{name}'s timer is removed"
+    assert model_runner.draw_tokens.__module__ == "vkv.engine.model_runner", "put back"
+    assert model_runner.draw_tokens.__name__ == "draw_tokens"
 
 
 def test_the_script_runs_a_batch_of_the_size_asked(monkeypatch, tmp_path, capsys):

@@ -70,6 +70,9 @@ def test_the_summary_counts_failures_names_files_not_run_and_stages_cut_short(tm
     for row in swept:
         row["speedup_over_defaults"] = 0.36 / row["ms"]
     (tmp_path / "decode_sweep.json").write_text(json.dumps({"device": "H200", "rows": swept}))
+    phases = {"schedule": 150.0, "forward": 20.0, "sample": 3000.0, "metrics": 230.0}
+    host = {"batch": 128, "step_us": 5000.0, "phases_us": phases}
+    (tmp_path / "bench_step_overhead.json").write_text(json.dumps(host))
     assert summary_module().main(tmp_path) == 1
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     tests = result["tests"]
@@ -84,6 +87,10 @@ def test_the_summary_counts_failures_names_files_not_run_and_stages_cut_short(tm
     assert result["e2e"] is None and result["startup"] == {"llm_startup_seconds": 2.5}
     printed = capsys.readouterr().out
     assert "not run: tests/runtime/test_server.py: ModuleNotFoundError" in printed
+    assert (
+        "host (128 sequences): a full decode step 5,000 us, 3,000 us of it in sample (the wait "
+        "for the GPU), 2,000 us the host's work\n  schedule 150, forward 20, metrics 230"
+    ) in printed
     assert "16-bit: fastest at block_n 32, 8 warps, 2 stages: 0.300 ms (1.20x the defaults)" in (
         printed
     )
