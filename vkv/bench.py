@@ -249,13 +249,13 @@ def gpu_busy_share(engine: LLMEngine, workload: Workload, batch: int) -> float |
             engine.step()
         before = full_decode_seconds(engine, batch)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-            profiled = full_decode_seconds(engine, batch)
-        after = full_decode_seconds(engine, batch)
+            profiled = None if before is None else full_decode_seconds(engine, batch)
+        after = None if profiled is None else full_decode_seconds(engine, batch)
     finally:
         for request_id in ids:
             if not engine.sequence(request_id).is_finished:
                 engine.abort(request_id)
-    if before is None or profiled is None or after is None:
+    if after is None:  # a window was not all full-batch decode steps
         return None
     busy_seconds = 1e-6 * sum(
         event.self_device_time_total

@@ -84,3 +84,16 @@ def test_padded_grows_the_array_and_returns_a_copy_of_the_rows():
     np.testing.assert_array_equal(narrower, [[8]])
     np.testing.assert_array_equal(first, [[1, 2], [3, -1]])  # a copy: later steps leave it be
     assert staged.array.shape == (3, 4) and (staged.array[1:] == -1).all()
+
+
+def test_a_table_that_does_not_fit_is_refused_each_time_and_leaves_no_record():
+    staged = StagedTables(np.full((2, 3), -1, np.int32))
+    staged.stage([[1]])
+    for _ in range(2):  # refused again: nothing recorded the first time
+        with pytest.raises(ValueError):
+            staged.stage([[1, 2, 3, 4]])
+    for _ in range(2):
+        with pytest.raises(IndexError):
+            staged.stage([[1], [2], [3]])
+    staged.stage([[5, 6]])
+    np.testing.assert_array_equal(staged.array, [[5, 6, -1], [-1, -1, -1]])

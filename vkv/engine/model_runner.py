@@ -18,7 +18,7 @@ knows, the forward's time is two CUDA events read afterwards (``ForwardClock``),
 cache's refusal of a NaN is a flag on the device read afterwards too (``CacheEngine``).
 
 With tensor parallelism (``parallel.py``) this runner is rank 0's: it sends each step's block
-maps and flat batch (``StepBatch``) to the other ranks, which run the same ``forward`` on their
+maps and batch (``StepBatch``) to the other ranks, which run the same ``forward`` on their
 heads, and it samples from the vocabulary the ranks' logits make together.
 
 Before sampling, a request's penalties and logit bias adjust its row of logits

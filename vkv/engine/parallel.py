@@ -12,11 +12,11 @@ scheduler decides once (allocate, swap, copy on write, evict) and every rank app
 
 - ``("maps", (swap_out, swap_in, copy, partial_gpu, partial_cpu))``, when the step moves blocks
   (or keys per channel keep partial blocks in a residual): every rank moves its slice;
-- ``("batch", StepBatch)``, for every model run: the flat token ids, positions, slots, block
-  tables and lengths; every rank runs the same forward over its heads. Inside it, each layer
-  sums the partial outputs of ``o_proj`` and ``down_proj`` over the ranks (one all-reduce each),
-  and the last tokens' logits, one slice of the vocabulary per rank, are gathered on rank 0,
-  which samples;
+- ``("batch", StepBatch)``, for every model run: the token ids, positions and slots (flat),
+  the block tables and lengths; every rank runs the same forward over its heads. Inside it,
+  each layer sums the partial outputs of ``o_proj`` and ``down_proj`` over the ranks (one
+  all-reduce each), and the last tokens' logits, one slice of the vocabulary per rank, are
+  gathered on rank 0, which samples;
 - ``None``: stop.
 
 **Sharding** (Megatron-LM's): q/k/v and gate/up are column-parallel (a rank keeps the rows of

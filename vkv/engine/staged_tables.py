@@ -40,15 +40,16 @@ class StagedTables:
         """Make row ``i`` hold ``tables[i]`` (then -1) and every later row -1."""
         array, rows = self.array, self.rows
         for index, table in enumerate(tables):
-            if index < len(rows):
-                held = rows[index]
-                if held == table:
-                    continue
-                array[index, len(table) : len(held)] = -1  # a shorter table: clear the rest
+            known = index < len(rows)
+            held = rows[index] if known else []
+            if known and held == table:
+                continue
+            array[index, : len(table)] = table  # first: a table that does not fit is not recorded
+            array[index, len(table) : len(held)] = -1  # a shorter table: clear the rest
+            if known:
                 rows[index] = list(table)
             else:
                 rows.append(list(table))
-            array[index, : len(table)] = table
         for index in range(len(tables), len(rows)):
             array[index, : len(rows[index])] = -1
         del rows[len(tables) :]
