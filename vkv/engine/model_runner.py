@@ -184,7 +184,7 @@ class ModelRunner:
 
         def tensor(values: list[int], dtype: type[np.integer] = np.int32) -> torch.Tensor:
             # through numpy: np.fromiter turns a list of ints into an array 3-4x faster than
-            # torch.tensor does (the block tables above all: a step's costliest input)
+            # torch.tensor does (the block tables, a step's costliest input, are staged rows)
             return upload(torch.from_numpy(np.fromiter(values, dtype, len(values))), self.device)
 
         tables = self.staged_tables.padded(batch.block_tables)
