@@ -13,7 +13,8 @@ requests (windows of the pinned corpus, greedy, ``ignore_eos``) while every phas
                   CUDA, a decode step replayed from its graph: the replay's launch alone
     sample        model_runner.draw_tokens, the tokens drawn and read back (on CUDA, also the
                   wait for the step's kernels: the GPU's time less what the host overlapped)
-    execute rest  the rest of ModelRunner.execute: the per-layer caches, sampling
+    execute rest  the rest of ModelRunner.execute: the draws' params, the CPU's thread fit, the
+                  staging into a CUDA-graph path's buffers
     postprocess   Scheduler.postprocess
     detokenize    LLMEngine._output (incremental detokenizer, RequestOutput; the requests are
                   final-only, as in ``vkv bench e2e``: while one runs, only a check)
@@ -33,10 +34,12 @@ on Qwen3-0.6B's shape): decode steps staged into the CUDA-graph path's padded st
 (run eagerly here) and nano-vLLM's lengths (prompts and outputs of 100-1024 tokens), with a KV
 pool that holds them all (that checkpoint's random weights come with vkv-tiny's byte-level
 tokenizer, as here). There the forward also holds the staging into the buffers; "forward" in
-the table is the model's alone, so the staging counts in "execute rest".
+the table is the model's alone, so the staging counts in "execute rest". With ``--device cuda
+--model vkv/models/shapes/qwen3-0.6b --load-format dummy`` (``gpu_check.sh``'s host stage) the
+decode steps replay from the engine's CUDA graphs and the phases are a GPU host's own.
 
     uv run python benchmarks/bench_step_overhead.py [--rounds 3] [--batch 64] [--gpu-path]
-        [--out DIR]
+        [--device cuda --model DIR --load-format dummy] [--out DIR]
 """
 
 import argparse
