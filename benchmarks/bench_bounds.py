@@ -43,7 +43,7 @@ def no_text(state, tokens, finished) -> str:
     return ""
 
 
-def no_metrics(out, touched, reported) -> None:
+def no_metrics(out, reported) -> None:
     """Metrics taken out: nothing recorded."""
 
 

@@ -59,6 +59,7 @@ from vkv.engine.llm_engine import LLMEngine
 from vkv.models.loader import DEFAULT_MODEL
 
 BLOCK_SIZE = 16  # the engine's default
+TINY_ON_CPU = {"model": DEFAULT_MODEL, "device": "cpu"}  # the engine unless options say otherwise
 PHASES = [
     "schedule",
     "block maps",
@@ -187,7 +188,7 @@ def plain(batch: int, **engine_options) -> tuple[LLMEngine, Workload]:
     """An engine as it runs by default (vkv-tiny on a CPU unless ``engine_options`` say
     otherwise: ``model``, ``device``, ``load_format``), and ``batch`` requests of the mixed
     workload (windows of the pinned corpus)."""
-    options = {"model": DEFAULT_MODEL, "device": "cpu"} | engine_options
+    options = TINY_ON_CPU | engine_options
     engine = LLMEngine(max_num_seqs=batch, **options)
     workload = Workload.mixed(lambda text: engine.tokenizer.encode(text).ids, num_requests=batch)
     return engine, workload
@@ -201,7 +202,7 @@ def gpu_path(batch: int, **engine_options) -> tuple[LLMEngine, Workload]:
     shape = WORKLOADS["nano-vllm"]
     max_model_len = shape.prompt_lens[1] + shape.output_lens[1]
     tables = -(-max_model_len // BLOCK_SIZE)  # blocks a sequence may need
-    options = {"model": DEFAULT_MODEL, "device": "cpu"} | engine_options
+    options = TINY_ON_CPU | engine_options
     engine = LLMEngine(
         block_size=BLOCK_SIZE,
         num_gpu_blocks=batch * tables,

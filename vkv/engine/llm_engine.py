@@ -412,7 +412,7 @@ class LLMEngine:
                 touched += self._fork_samples(parent, forks[seq_id], firsts)
         reported = [(seq, self._output(seq)) for seq in touched]
         outputs = [output for _, output in reported if output is not None]
-        self._record(out, touched, reported)
+        self._record(out, reported)
         if self.recorder is not None:
             self.recorder.record(self, out)
         elapsed = time.perf_counter() - started
@@ -429,19 +429,17 @@ class LLMEngine:
         return outputs
 
     def _record(
-        self,
-        out: SchedulerOutput,
-        touched: list[Sequence],
-        reported: list[tuple[Sequence, RequestOutput | None]],
+        self, out: SchedulerOutput, reported: list[tuple[Sequence, RequestOutput | None]]
     ) -> None:
-        """The step in the metrics (``StatLogger``): the state and events, the tokens gained,
-        the sequences finished (each with its final output); nothing without a logger (Phase 5
-        not done)."""
+        """The step in the metrics (``StatLogger``): the state and events, the tokens gained by
+        the sequences it touched (each with its output, None for a running final-only one), the
+        sequences finished; nothing without a logger (Phase 5 not done)."""
         if self.stat_logger is None:
             return
         now = time.monotonic()
         self.stat_logger.record_step(out, self.scheduler, now)
-        self.stat_logger.record_tokens([s for s in touched if self.outputs.took_tokens(s)], now)
+        gained = [seq for seq, _ in reported if self.outputs.took_tokens(seq)]
+        self.stat_logger.record_tokens(gained, now)
         for seq, output in reported:
             if output is not None and output.finished:
                 self.stat_logger.record_finished(seq, output.finish_reason, now)
