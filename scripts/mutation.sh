@@ -74,7 +74,7 @@ start=$(date +%s)
 if [[ $resume -eq 0 || ! -d "$stage" ]]; then
     rm -rf "$stage"
     mkdir -p "$stage"
-    cp -R vkv tests pyproject.toml "$stage"/
+    cp -R vkv tests assignment scripts pyproject.toml "$stage"/
     find "$stage" -name __pycache__ -type d -prune -exec rm -rf {} +
     # A subset (MUTATION_MODULES, MUTATION_TESTS) or another timeout: the staging copy's
     # [tool.mutmut] says so; the repository's pyproject.toml is left as it is.

@@ -156,6 +156,42 @@ def test_vkv_tiny_completes_prompts_the_same_with_padding(block_size):
     assert complete(padded=True) == complete(padded=False)
 
 
+def test_prefills_and_decodes_larger_than_every_size_run_eagerly_beside_padded_ones():
+    """With sizes 1 and 2 and five prompts, the decodes of three to five sequences (and every
+    prefill) run outside the padded buffers, those of one or two on them: the same tokens as
+    an engine without them."""
+    prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(", "# a"]
+
+    def complete(sizes: list[int] | None) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        engine = LLMEngine(max_num_seqs=8, max_model_len=128)
+        if sizes:
+            engine.runner.use_decode_graphs(sizes, max_blocks=8, capture=False)
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=6 * (1 + i), ignore_eos=True)
+            for i in range(len(prompts))
+        ]  # they finish one after another: 5 decoding, then 4, ... 1
+        steps = []  # (sequences, a prefill, whether the step ran on the buffers)
+        forward, graphs = engine.runner.forward, engine.runner.decode_graphs
+
+        def watched(batch: StepBatch):
+            before = graphs.steps if graphs else 0
+            logits = forward(batch)
+            padded = bool(graphs) and graphs.steps > before
+            steps.append((len(batch.context_lens), batch.is_prefill, padded))
+            return logits
+
+        engine.runner.forward = watched
+        ids = [engine.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        while engine.has_unfinished_requests():
+            engine.step()
+        return [engine.sequence(i).completion_token_ids for i in ids], steps
+
+    tokens, steps = complete([1, 2])
+    assert tokens == complete(None)[0]
+    assert {n for n, prefill, _ in steps if not prefill} == {1, 2, 3, 4, 5}
+    assert all(padded == (not prefill and n <= 2) for n, prefill, padded in steps), steps
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_replayed_graphs_complete_prompts_as_eager_steps_do(kv_cache_dtype):

@@ -14,8 +14,10 @@ import pytest
 import torch
 from devices import KERNEL_DEVICE
 
+from vkv.engine.llm_engine import LLMEngine
 from vkv.kernels import cpu_attention, cpu_library, layer_ops, reference
 from vkv.models.qwen3 import RotaryTable
+from vkv.sampling_params import SamplingParams
 
 HAVE_LIBRARY = cpu_library.library() is not None
 needs_library = pytest.mark.skipif(
@@ -134,6 +136,38 @@ def test_silu_and_mul_multiplies_the_activated_gate_by_up(path, dtype, width, mo
     gate, up = x.double().chunk(2, -1)
     assert out.shape == (3, width) and out.dtype == dtype
     assert_close_to(out, gate * torch.sigmoid(gate) * up, dtype)
+
+
+def test_the_rotary_table_is_built_once_for_a_run_and_grows_by_doubling(monkeypatch):
+    """cos and sin are cached by position: a run's steps reuse the table its first step built
+    (256 rows cover every position here), and a step past the table at least doubles it,
+    keeping the rows it had."""
+    built: list[int] = []
+    build = RotaryTable._build
+
+    def counted(self, length, device, dtype):
+        built.append(length)
+        build(self, length, device, dtype)
+
+    monkeypatch.setattr(RotaryTable, "_build", counted)
+    engine = LLMEngine(device="cpu", num_gpu_blocks=64, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for prompt in ("def add(a, b):\n", "import os\n"):
+        engine.add_request(prompt, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert steps >= 40 and built == [256]
+
+    table = engine.model.rotary
+    before = table.cos.clone(), table.signed_sin.clone()
+    table.reserve(256, torch.device("cpu"), torch.float32)
+    assert built == [256], "a table that covers the step is kept"
+    table.reserve(257, torch.device("cpu"), torch.float32)
+    assert built == [256, 512] and len(table.cos) == 512
+    assert torch.equal(table.cos[:256], before[0])
+    assert torch.equal(table.signed_sin[:256], before[1])
 
 
 @needs_library

@@ -604,6 +604,37 @@ def tokens_engine(bits: int, keys: str, dim: int) -> tuple[CacheEngine, list, li
     return engine, tables, lengths
 
 
+@pytest.mark.parametrize(
+    ("kv", "fold_scales"),
+    [("auto", False), ("int8", False), ("int8", True), ("int4", False), ("int4", True)],
+)
+def test_a_padded_row_of_a_captured_batch_reads_nothing_and_gives_zeros(kv, fold_scales):
+    """A CUDA graph's padding row (``decode_graphs.py``): a context of 0 and a table of -1.
+    Triton's decode reads no block for it and gives 0, in every cache format that graphs
+    capture, and the real rows beside it get what they get unpadded."""
+    torch.manual_seed(7)
+    shape = CacheShape(2, 16, HEADS, 64, torch.float32, kv)
+    engine = CacheEngine(shape, 8, 0, torch.device(KERNEL_DEVICE))
+    tables, lengths = [[3, 1, 6], [5, 2, -1]], [37, 19]
+    slots = [
+        t[i // 16] * 16 + i % 16 for t, n in zip(tables, lengths, strict=True) for i in range(n)
+    ]
+    keys = torch.randn(len(slots), HEADS, 64, device=KERNEL_DEVICE)
+    store(engine, keys, torch.randn_like(keys), slots)
+
+    def decode(tables: list, lengths: list[int], query: torch.Tensor) -> torch.Tensor:
+        tables = torch.tensor(tables, dtype=torch.int32, device=KERNEL_DEVICE)
+        lengths = torch.tensor(lengths, dtype=torch.int32, device=KERNEL_DEVICE)
+        return triton_attention.paged_decode_attention(
+            query, *engine.layer(1), tables, lengths, 0.125, fold_scales=fold_scales
+        )
+
+    query = torch.randn(3, 4, 64, device=KERNEL_DEVICE)
+    padded = decode([*tables, [-1, -1, -1]], [*lengths, 0], query)
+    assert torch.equal(padded[2], torch.zeros_like(padded[2])), "a context of 0 attends to nothing"
+    assert torch.allclose(padded[:2], decode(tables, lengths, query[:2]), atol=1e-6)
+
+
 @pytest.mark.parametrize("dim", [64, 72], ids=["full-quarters", "padding-lanes"])
 @pytest.mark.parametrize("keys", ["per_token", "per_channel"])
 @pytest.mark.parametrize("bits", [8, 4])

@@ -210,7 +210,7 @@ class LLMEngine:
             self.runner.parallel = self.parallel
             weakref.finalize(self, self.parallel.close)  # dropped without close(): stops too
         if graphs is not None:  # every rank captures its own (the all-reduces inside pair up)
-            captured = self.runner.use_decode_graphs(*graphs, capture=True)
+            captured = self.runner.use_decode_graphs(*graphs, capture=self.device.type == "cuda")
             print(f"vkv: {captured.describe()}", file=sys.stderr)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:

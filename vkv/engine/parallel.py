@@ -372,8 +372,8 @@ def run_worker(
         )
         kernels, _ = attention_kernels(spec.backend, device)
         runner = ModelRunner(model, cache, None, kernels, group)
-        if spec.decode_graphs is not None:
-            runner.use_decode_graphs(*spec.decode_graphs, capture=True)
+        if spec.decode_graphs is not None:  # captured where there are graphs: on CUDA
+            runner.use_decode_graphs(*spec.decode_graphs, capture=device.type == "cuda")
         with torch.inference_mode():
             while (message := group.receive()) is not None:
                 kind, payload = message
