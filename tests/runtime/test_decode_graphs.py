@@ -11,6 +11,7 @@ the capture itself runs only on a GPU (``scripts/gpu_check.sh``).
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -194,9 +195,10 @@ def test_prefills_and_decodes_larger_than_every_size_run_eagerly_beside_padded_o
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_replayed_graphs_complete_prompts_as_eager_steps_do(kv_cache_dtype):
-    """On a GPU: the engine captures its graphs at start, and replaying them gives the tokens
-    that eager steps give (float32: the two differ by rounding only), 16-bit or INT8."""
+def test_replayed_graphs_complete_prompts_as_eager_steps_do(kv_cache_dtype, capsys):
+    """On a GPU: the engine captures its graphs at start and says so with their time and
+    memory, and replaying them gives the tokens that eager steps give (float32: the two differ
+    by rounding only), 16-bit or INT8."""
     prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -216,6 +218,10 @@ def test_replayed_graphs_complete_prompts_as_eager_steps_do(kv_cache_dtype):
         return [engine.sequence(i).completion_token_ids for i in ids], replays
 
     replayed, replays = complete(enforce_eager=False)
+    said = capsys.readouterr().err
+    captured = r"decode replayed from CUDA graphs: 4 batch sizes 1-8 captured in [\d.]+ s, \d+ MiB"
+    assert re.search(captured, said), said
     eager, none = complete(enforce_eager=True)
+    assert "CUDA graphs" not in capsys.readouterr().err
     assert replays >= 23 and none == 0
     assert replayed == eager
