@@ -11,7 +11,8 @@ to INT8 and to INT4 per token and head (Phase 3; fp16 scales and zeros), and wit
 channel (KIVI: a scale and zero per block, head and channel; every block full, so none is read
 from the residual), whose bytes read are the codes plus the scales, with its time against
 fp16's; each quantized format also with its per-token scales folded out of the tile
-(``fold_scales``). Times are medians of CUDA-event timings.
+(``fold_scales``), at the default tiles and at tiles of 128 tokens (``TILES_OF_128``; 16-bit
+too). Times are medians of CUDA-event timings.
 
 ``--sweep`` times the launch options instead (``SWEEP``: tokens a tile, warps, pipeline
 stages; for keys per channel also ``fold_keys``: folded, a tile is one block, so only warps and
@@ -43,6 +44,12 @@ from vkv.kernels import reference, triton_attention
 BATCH, CONTEXT, KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 64, 4096, 8, 4, 128, 16
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 DEFAULTS = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+# The launch `scripts/compile_for_gpu.py --anatomy` ranks first for the folded quantized loops
+# (warp instructions a cached token, 4 warps: INT8 46.4 at tiles of 64, 30.1 at 128; INT4 49.8
+# and 33.4; INT8 keys per channel 86.1 and 69.3; 16-bit 23.2 and 17.6): timed beside the
+# defaults in every run, so that the bars' stage shows it without the sweep (shared memory a
+# program: 74 KB in 16 bits, 25-41 KB folded per token, 124-140 KB keys per channel; fits sm_90)
+TILES_OF_128 = {"block_n": 128, "num_warps": 4}
 QUANTIZED = ((8, "per token"), (4, "per token"), (8, "keys per channel"), (4, "keys per channel"))
 
 
@@ -199,22 +206,24 @@ def main() -> int:
     error = float((decode(k_cache, v_cache).float() - expected.float()).abs().max())
     peak = copy_bandwidth()
     rows = []
-    candidates = [("triton, default split", None)] + [
-        (f"triton, {n} splits", n) for n in (1, 4, 8, 16, 32)
-    ]
-    for name, splits in candidates:
-        ms = median_ms(lambda s=splits: decode(k_cache, v_cache, num_splits=s))
+    candidates = [("triton, default split", {})]
+    candidates += [(f"triton, {n} splits", {"num_splits": n}) for n in (1, 4, 8, 16, 32)]
+    candidates += [("triton, tiles of 128", TILES_OF_128)]
+    for name, options in candidates:
+        ms = median_ms(lambda o=options: decode(k_cache, v_cache, **o))
         rows.append({"kernel": name, "ms": ms, "gb_per_s": kv_bytes / (ms / 1e3) / 1e9})
     ms = median_ms(
         lambda: reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
     )
     rows.append({"kernel": "torch reference", "ms": ms, "gb_per_s": kv_bytes / (ms / 1e3) / 1e9})
     fp16_ms = rows[0]["ms"]
-    for (name, (k, v)), fold in itertools.product(list(formats.items())[1:], (False, True)):
-        ms = median_ms(lambda k=k, v=v, fold=fold: decode(k, v, fold_scales=fold))
+    variants = {"": {}, ", scales folded": {"fold_scales": True}}
+    variants[", scales folded, tiles of 128"] = {"fold_scales": True, **TILES_OF_128}
+    for (name, (k, v)), said in itertools.product(list(formats.items())[1:], variants):
+        ms = median_ms(lambda k=k, v=v, o=variants[said]: decode(k, v, **o))
         rows.append(
             {
-                "kernel": f"triton, {name}" + (", scales folded" if fold else ""),
+                "kernel": f"triton, {name}{said}",
                 "ms": ms,
                 "gb_per_s": read[name] / (ms / 1e3) / 1e9,
                 "speedup_over_fp16": fp16_ms / ms,
