@@ -1023,6 +1023,42 @@ def test_part3_each_filled_block_gets_its_own_grid_residual_filled_blocks_first(
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_part3_store_keys_per_channel_writes_half_precision_planes_in_their_dtype(dtype):
+    residual = torch.zeros(2, RES_BLOCK, 1, 2, dtype=dtype)  # a half-precision model's cache
+    residual[0, :3] = torch.tensor([[[1.0, -2.0]], [[3.5, 0.0]], [[2.0, 1.0]]])  # block 4's keys
+    key = torch.tensor([[[5.0, 7.0]], [[0.5, 0.25]]], dtype=dtype)
+    plan = KeyPlan(
+        residual_tokens=torch.tensor([0, 1]),
+        residual_rows=torch.tensor([3, RES_BLOCK]),  # block 4's last key; a new block's first
+        fill_blocks=torch.tensor([4]),
+        fill_slots=torch.tensor([0]),
+        fill_tokens=torch.zeros(0, RES_BLOCK, dtype=torch.long),
+    )
+    codes = torch.zeros(6, RES_BLOCK, 1, 2, dtype=torch.uint8)
+    scale, zero = torch.zeros(6, 1, 1, 2, dtype=dtype), torch.zeros(6, 1, 1, 2, dtype=dtype)
+    slots = torch.full((6,), -1, dtype=torch.int32)
+    store_keys_per_channel(key, QuantizedCache(codes, scale, zero, 8, residual, slots, plan))
+    assert scale.dtype == zero.dtype == residual.dtype == dtype, (
+        "the planes and the residual are the cache's, never replaced"
+    )
+    assert equal(residual[1, 0], key[1]), "a partial block's key goes to its residual row as is"
+    assert zero[4].flatten().tolist() == [1.0, -2.0], (
+        f"the scales and zeros (float32 from the Quantizer) go into {dtype} planes, converted "
+        f"(an indexed assignment does not convert): zero [1.0, -2.0] expected, got "
+        f"{zero[4].flatten().tolist()}"
+    )
+    expected = torch.tensor([4.0 / 255, 9.0 / 255])
+    assert allclose(scale[4].flatten().float(), expected, rtol=1e-2, atol=0), (
+        f"scale is each channel's (max - min) / 255, stored in {dtype}: expected "
+        f"{expected.tolist()}, got {scale[4].flatten().tolist()}"
+    )
+    assert codes[4, :, 0, 0].tolist() == [0, 159, 64, 255], (
+        f"channel 0's codes over the block's keys 1, 3.5, 2, 5: expected [0, 159, 64, 255], got "
+        f"{codes[4, :, 0, 0].tolist()}"
+    )
+
+
 # ---- Part 3.7: the key residual between steps (KeyResidual.apply, partial_blocks) -------------
 
 

@@ -26,7 +26,7 @@ from test_seed import seeded
 from torch import allclose, equal, isnan
 
 from vkv.engine.cache_engine import QuantizedCache
-from vkv.engine.key_residual import KeyResidual, partial_blocks
+from vkv.engine.key_residual import KeyPlan, KeyResidual, partial_blocks
 from vkv.engine.quantizer import (
     QuantizedTensor,
     Quantizer,
@@ -248,6 +248,37 @@ def test_part1_half_precision_input_is_quantized_in_float32_and_left_alone(rng):
         assert_within_half_a_step(x.float(), q.scale, quantizer.dequantize(q))
 
 
+def subnormal_range(rng, levels: int, width: int) -> tuple[torch.Tensor, int, int]:
+    """A group of ``width`` float32 values ``2**-126 + k * 2**-149`` (normal numbers, one
+    smallest step apart) whose range, ``K`` steps, is subnormal: the scale ``K / levels`` steps
+    rounds to one step, so ``(max - min) / scale`` is ``K``, above ``levels``, and only the
+    clamp of ``code = clamp(round((x - min) / scale), 0, L)`` keeps the maximum's code at
+    ``levels``. (The half-step bound does not hold here: the scale itself is rounded.) Returns
+    the group and the positions of its minimum and maximum. Skips where the CPU flushes
+    subnormal results to zero (no such range exists there)."""
+    one, tiny = 2.0**-126, 2.0**-149
+    if float(torch.tensor([one + tiny]) - torch.tensor([one])) == 0.0:
+        pytest.skip("this CPU flushes subnormal floats to zero")
+    top = rng.randint(levels + 1, 3 * levels // 2)  # top / levels < 1.5: a scale of one step
+    steps = [0, top, *(rng.randint(0, top) for _ in range(width - 2))]
+    rng.shuffle(steps)
+    x = torch.tensor([one + k * tiny for k in steps], dtype=torch.float64).float()  # exact
+    return x, steps.index(0), steps.index(top)
+
+
+@seeded
+def test_part1_a_subnormal_range_still_gives_the_maximum_code_255(rng):
+    x, low, high = subnormal_range(rng, 255, rng.randint(2, 9))
+    codes = Quantizer(8).quantize(x).codes.tolist()
+    assert (codes[low], codes[high]) == (0, 255), (
+        f"a group {float(x[high] - x[low]):.4g} wide (subnormal): its scale (max - min) / 255 "
+        f"rounds to 2**-149, so (max - min) / scale exceeds 255 and the clamp of "
+        f"clamp(round((x - min) / scale), 0, 255) must keep the maximum's code at 255 (before "
+        f"the conversion to uint8, which would wrap it); minimum and maximum got "
+        f"{codes[low]} and {codes[high]}"
+    )
+
+
 # ---- Part 3.2: INT4, two codes per byte ------------------------------------------------------
 
 
@@ -339,6 +370,18 @@ def test_part2_int4_quantizes_to_sixteen_levels_within_half_a_step(rng):
         back = quantizer.dequantize(q)
         assert back.shape == x.shape
         assert_within_half_a_step(x, q.scale, back)
+
+
+@seeded
+def test_part2_a_subnormal_range_still_gives_codes_up_to_15(rng):
+    x, low, high = subnormal_range(rng, 15, 2 * rng.randint(1, 5))
+    q = Quantizer(4).quantize(x)  # a code of 16 or more would make pack_int4 refuse it
+    codes = unpack_int4(q.codes).tolist()
+    assert (codes[low], codes[high]) == (0, 15), (
+        f"INT4, a group {float(x[high] - x[low]):.4g} wide (subnormal): its scale rounds to "
+        f"2**-149, so (max - min) / scale exceeds 15 and the clamp must keep the maximum's "
+        f"code at 15; minimum and maximum got {codes[low]} and {codes[high]}"
+    )
 
 
 # ---- Part 3.3: keys per channel (KIVI) -------------------------------------------------------
@@ -851,6 +894,46 @@ def test_part3_plans_of_a_drawn_trace_follow_the_rules(rng):
         assert marked == {b: residual._slots[b] for b in partial}, (
             f"step {step}: slot_of_block names the step's partial blocks {partial} only; got "
             f"{marked}"
+        )
+
+
+@seeded
+def test_part3_store_keys_per_channel_converts_to_the_residuals_and_planes_dtype(rng):
+    """float32 keys into a half-precision cache: the residual rows take the keys in the
+    residual's dtype, the planes the grids in theirs (an indexed assignment converts nothing)."""
+    dtype, bits = rng.choice([torch.float16, torch.bfloat16]), rng.choice([8, 4])
+    block, heads, dim = rng.randint(2, 5), rng.randint(1, 3), 2 * rng.randint(1, 4)
+    g = generator(rng)
+    residual = torch.zeros(2, block, heads, dim, dtype=dtype)
+    residual[0, : block - 1] = torch.randn(block - 1, heads, dim, generator=g).to(dtype)
+    key = torch.randn(block + 2, heads, dim, generator=g) * 10 ** rng.uniform(-1, 2)
+    plan = KeyPlan(
+        residual_tokens=torch.tensor([0, block + 1]),  # block 1's last key; block 5's first
+        residual_rows=torch.tensor([block - 1, block]),
+        fill_blocks=torch.tensor([1, 3]),  # 1 from residual slot 0, 3 written whole
+        fill_slots=torch.tensor([0]),
+        fill_tokens=torch.arange(1, block + 1)[None],
+    )
+    codes = torch.zeros(6, block, heads, dim * bits // 8, dtype=torch.uint8)
+    scale = torch.zeros(6, 1, heads, dim, dtype=dtype)
+    zero = scale.clone()
+    slots = torch.full((6,), -1, dtype=torch.int32)
+    cache = QuantizedCache(codes, scale, zero, bits, residual, slots, plan)
+    quantized_kernels.store_keys_per_channel(key, cache)
+    assert residual.dtype == scale.dtype == zero.dtype == dtype, "the cache's tensors stay"
+    for row, token in ((residual[0, block - 1], 0), (residual[1, 0], block + 1)):
+        assert equal(row, key[token].to(dtype)), (
+            f"key row {token} (float32) goes to its residual row in the residual's dtype "
+            f"{dtype}, as it is"
+        )
+    levels = 2**bits - 1
+    for b, tokens in ((1, residual[0].float()), (3, key[1 : block + 1])):
+        assert equal(zero[b, 0], tokens.amin(0).to(dtype)), (
+            f"block {b}'s zero, each channel's minimum over its {block} keys, stored in {dtype}"
+        )
+        expected = (tokens.amax(0) - tokens.amin(0)) / levels
+        assert allclose(scale[b, 0].float(), expected, rtol=1e-2, atol=1e-6), (
+            f"block {b}'s scale, each channel's (max - min) / {levels}, stored in {dtype}"
         )
 
 
