@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from devices import KERNEL_DEVICE
+from devices import EXACT_DTYPE, KERNEL_DEVICE
 from tiny_checkpoints import paired
 
 from vkv.config import Config
@@ -143,7 +143,13 @@ def test_vkv_tiny_completes_prompts_the_same_with_padding(block_size):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def complete(padded: bool) -> list[str]:
-        engine = LLMEngine(block_size=block_size, max_num_seqs=8, max_model_len=128)
+        engine = LLMEngine(
+            block_size=block_size,
+            max_num_seqs=8,
+            max_model_len=128,
+            dtype=EXACT_DTYPE,
+            enforce_eager=True,
+        )
         if padded:
             engine.runner.use_decode_graphs(
                 [1, 2, 8], max_blocks=-(-128 // block_size), capture=False
@@ -164,7 +170,9 @@ def test_prefills_and_decodes_larger_than_every_size_run_eagerly_beside_padded_o
     prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(", "# a"]
 
     def complete(sizes: list[int] | None) -> tuple[list[list[int]], list[tuple[int, int]]]:
-        engine = LLMEngine(max_num_seqs=8, max_model_len=128)
+        engine = LLMEngine(
+            max_num_seqs=8, max_model_len=128, dtype=EXACT_DTYPE, enforce_eager=True
+        )  # on a GPU too: no captured graphs beside the buffers under test
         if sizes:
             engine.runner.use_decode_graphs(sizes, max_blocks=8, capture=False)
         params = [

@@ -610,8 +610,9 @@ def tokens_engine(bits: int, keys: str, dim: int) -> tuple[CacheEngine, list, li
 )
 def test_a_padded_row_of_a_captured_batch_reads_nothing_and_gives_zeros(kv, fold_scales):
     """A CUDA graph's padding row (``decode_graphs.py``): a context of 0 and a table of -1.
-    Triton's decode reads no block for it and gives 0, in every cache format that graphs
-    capture, and the real rows beside it get what they get unpadded."""
+    Triton's decode gives 0 for it, in every cache format that graphs capture, also where the
+    table points at a block of large values (its context, not its table, keeps it from reading
+    them), and the real rows beside it get what they get unpadded."""
     torch.manual_seed(7)
     shape = CacheShape(2, 16, HEADS, 64, torch.float32, kv)
     engine = CacheEngine(shape, 8, 0, torch.device(KERNEL_DEVICE))
@@ -621,6 +622,8 @@ def test_a_padded_row_of_a_captured_batch_reads_nothing_and_gives_zeros(kv, fold
     ]
     keys = torch.randn(len(slots), HEADS, 64, device=KERNEL_DEVICE)
     store(engine, keys, torch.randn_like(keys), slots)
+    for cache in engine.layer(1):  # block 7, which no sequence holds, reads as 1,000s
+        (cache if kv == "auto" else cache.zero)[7] = 1000.0
 
     def decode(tables: list, lengths: list[int], query: torch.Tensor) -> torch.Tensor:
         tables = torch.tensor(tables, dtype=torch.int32, device=KERNEL_DEVICE)
@@ -629,9 +632,9 @@ def test_a_padded_row_of_a_captured_batch_reads_nothing_and_gives_zeros(kv, fold
             query, *engine.layer(1), tables, lengths, 0.125, fold_scales=fold_scales
         )
 
-    query = torch.randn(3, 4, 64, device=KERNEL_DEVICE)
-    padded = decode([*tables, [-1, -1, -1]], [*lengths, 0], query)
-    assert torch.equal(padded[2], torch.zeros_like(padded[2])), "a context of 0 attends to nothing"
+    query = torch.randn(4, 4, 64, device=KERNEL_DEVICE)
+    padded = decode([*tables, [-1, -1, -1], [7, 7, 7]], [*lengths, 0, 0], query)
+    assert torch.equal(padded[2:], torch.zeros_like(padded[2:])), "a context of 0 reads nothing"
     assert torch.allclose(padded[:2], decode(tables, lengths, query[:2]), atol=1e-6)
 
 

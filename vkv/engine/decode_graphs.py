@@ -184,6 +184,10 @@ class DecodeGraphs:
         capture write nothing to the cache."""
         started = time.perf_counter()
         device = self.input_ids.device
+        # capture empties the allocator's cache: empty it first, or the memory it gives back
+        # would be counted against the graphs (the difference below could be negative)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
         pool = None
         with torch.inference_mode():
