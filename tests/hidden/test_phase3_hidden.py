@@ -907,6 +907,9 @@ def test_part3_store_keys_per_channel_converts_to_the_residuals_and_planes_dtype
     residual = torch.zeros(2, block, heads, dim, dtype=dtype)
     residual[0, : block - 1] = torch.randn(block - 1, heads, dim, generator=g).to(dtype)
     key = torch.randn(block + 2, heads, dim, generator=g) * 10 ** rng.uniform(-1, 2)
+    # block 3's keys as the cache's dtype holds them: an implementation may convert the step's
+    # keys first (the engine's keys are in that dtype already), and get the same grid
+    key[1 : block + 1] = key[1 : block + 1].to(dtype).float()
     plan = KeyPlan(
         residual_tokens=torch.tensor([0, block + 1]),  # block 1's last key; block 5's first
         residual_rows=torch.tensor([block - 1, block]),
