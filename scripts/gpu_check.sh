@@ -24,7 +24,7 @@
 #
 # All stages' limits add up to about 18 minutes, more than one 10-minute call on a lent
 # device: run them as two calls, the bars first (STAGES="decode_kernel decode_step e2e", at
-# most 530 s, then STAGES="host tests decode_sweep startup", at most 540 s, the same OUT); the
+# most 560 s, then STAGES="host tests decode_sweep startup", at most 540 s, the same OUT); the
 # summary reads what is there. OUT/stages.txt gives each stage's exit status and seconds.
 #
 # Runs with the machine's own python3 (torch, Triton, transformers, pytest), no uv, the tree on
@@ -71,7 +71,7 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...: run it, its output in OUT/NAME
     echo "gpu_check: $name exited $status after $((SECONDS - started)) s" >&2
 }
 
-stage decode_kernel 90 "$PYTHON" benchmarks/bench_decode_kernel.py --out "$OUT"
+stage decode_kernel 120 "$PYTHON" benchmarks/bench_decode_kernel.py --out "$OUT"
 stage decode_step 240 "$PYTHON" benchmarks/bench_decode_step.py \
     --model vkv/models/shapes/qwen3-0.6b --load-format dummy --workload nano-vllm \
     --requests 128 --max-num-seqs 128 --kv-cache-gib 16 --out "$OUT"
